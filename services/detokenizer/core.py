@@ -1,0 +1,210 @@
+"""The detokenizer's synchronous core: request states, ordering, the one terminal reply.
+
+It knows every accepted request (the tokenizer registers each one with a :class:`StartInfo`
+before passing it on), so it alone decides when a request is over and answers exactly once:
+- token events are applied in position order; duplicates (a redelivered step, a replayed
+  request) are dropped by position, and gaps wait in a small per-request buffer;
+- a stop string, a cancel or a passed deadline ends a request here, and the workers are told to
+  drop it (``aborts``);
+- finished ids are remembered (bounded) so late events and duplicate starts are ignored.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.detokenizer.incremental import Decode, IncrementalDetokenizer
+from shared.protocol import DoneReply, ErrorReply, Reply, StartInfo, TokenEvent, TokenReply
+from shared.protocol_errors import ErrorCode
+
+log = structlog.get_logger(__name__)
+
+# Events for a request whose start has not arrived (redelivery can reorder) wait this long.
+ORPHAN_EVENT_TTL_S = 60.0
+
+
+@dataclass
+class _Request:
+    info: StartInfo
+    detok: IncrementalDetokenizer
+    next_index: int = 0
+    pending: dict[int, TokenEvent] = field(default_factory=dict)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # tokens applied since the last flush, streamed as one reply per request per batch
+    batch_index: int | None = None
+    batch_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Output:
+    replies: list[tuple[str, Reply]] = field(default_factory=list)  # (reply_to, reply)
+    aborts: list[str] = field(default_factory=list)  # ended here: workers should drop them
+    finished: list[tuple[StartInfo, DoneReply | ErrorReply]] = field(default_factory=list)
+
+
+class DetokenizerCore:
+    def __init__(self, decode: Decode, max_finished: int = 200_000) -> None:
+        self._decode = decode
+        self._active: dict[str, _Request] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._max_finished = max_finished
+        self._cancelled_early: OrderedDict[str, float] = OrderedDict()
+        self._orphans: dict[str, list[tuple[float, TokenEvent]]] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # --- inputs ---------------------------------------------------------------------------------
+    def start(self, info: StartInfo, now: float, out: Output) -> None:
+        rid = info.request_id
+        if rid in self._active or rid in self._finished:
+            return  # duplicate registration (redelivered)
+        req = _Request(info, IncrementalDetokenizer(self._decode, info.stop))
+        self._active[rid] = req
+        if self._cancelled_early.pop(rid, None) is not None:
+            self._finish(req, "cancelled", now, out)
+            return
+        for _, ev in self._orphans.pop(rid, []):
+            self._apply(req, ev, now, out)
+
+    def event(self, ev: TokenEvent, now: float, out: Output) -> None:
+        req = self._active.get(ev.request_id)
+        if req is None:
+            if ev.request_id not in self._finished:
+                self._orphans.setdefault(ev.request_id, []).append((now, ev))
+            return
+        self._apply(req, ev, now, out)
+
+    def cancel(self, request_id: str, now: float, out: Output) -> None:
+        req = self._active.get(request_id)
+        if req is not None:
+            self._finish(req, "cancelled", now, out)
+        elif request_id not in self._finished:
+            # Still upstream (tokenizer queue): answer as soon as its start arrives.
+            self._cancelled_early[request_id] = now
+            while len(self._cancelled_early) > self._max_finished:
+                self._cancelled_early.popitem(last=False)
+
+    def expire(self, now: float, out: Output) -> None:
+        """Answer every request whose deadline passed; drop stale orphan events."""
+        for req in [r for r in self._active.values() if r.info.deadline is not None]:
+            if now >= req.info.deadline:  # type: ignore[operator]
+                self._finish(req, "timeout", now, out)
+        for rid in [r for r, evs in self._orphans.items() if now - evs[0][0] > ORPHAN_EVENT_TTL_S]:
+            log.warning("dropping events of an unknown request", request_id=rid)
+            del self._orphans[rid]
+
+    def flush(self, out: Output) -> None:
+        """End of a batch: one token reply per streaming request that got tokens."""
+        for req in self._active.values():
+            if req.batch_index is not None:
+                self._flush_one(req, out)
+
+    # --- internals ------------------------------------------------------------------------------
+    def _apply(self, req: _Request, ev: TokenEvent, now: float, out: Output) -> None:
+        if ev.error_code is not None:
+            self._error(req, ev.error_code, ev.error_message or "request failed", out)
+            return
+        if ev.scheduled_at is not None and req.scheduled_at is None:
+            req.scheduled_at = ev.scheduled_at
+        req.pending[ev.index] = ev
+        while req.info.request_id in self._active:
+            nxt = _pop_covering(req.pending, req.next_index)
+            if nxt is None:
+                break
+            skip = req.next_index - nxt.index  # positions already applied (duplicates)
+            new_ids = nxt.token_ids[skip:]
+            if new_ids:
+                self._add_tokens(req, new_ids, now)
+            if req.detok.stopped:
+                self._finish(req, "stop", now, out)
+                out.aborts.append(req.info.request_id)
+            elif nxt.finish_reason is not None:
+                self._finish(req, nxt.finish_reason, now, out)
+            elif req.next_index >= req.info.max_tokens:  # decode says so too; never exceed it
+                self._finish(req, "length", now, out)
+
+    def _add_tokens(self, req: _Request, ids: list[int], now: float) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.last_token_at = now
+        if req.batch_index is None:
+            req.batch_index = req.next_index
+        req.batch_token_ids.extend(ids)
+        req.next_index += len(ids)
+        req.detok.add(ids)
+
+    def _flush_one(self, req: _Request, out: Output, final: bool = False) -> None:
+        delta = req.detok.take_delta(final=final)
+        if req.info.stream and req.batch_index is not None:
+            reply = TokenReply(req.info.request_id, delta, req.batch_token_ids, req.batch_index)
+            out.replies.append((req.info.reply_to, reply))
+        req.batch_index = None
+        req.batch_token_ids = []
+
+    def _finish(self, req: _Request, reason: str, now: float, out: Output) -> None:
+        info = req.info
+        if reason == "timeout" and not req.detok.token_ids:
+            self._error(req, ErrorCode.TIMEOUT.value, "deadline passed before the first token", out)
+            out.aborts.append(info.request_id)
+            return
+        req.detok.finish()
+        if info.stream and req.batch_index is None:
+            # Nothing new this batch, but text held back (a stop-string prefix, a split
+            # character) is final now: stream it so the deltas add up to the done text.
+            tail = req.detok.take_delta(final=True)
+            if tail:
+                out.replies.append((info.reply_to, TokenReply(info.request_id, tail, [], req.next_index)))
+        elif req.batch_index is not None:
+            self._flush_one(req, out, final=True)
+        n = len(req.detok.token_ids)
+        first, last = req.first_token_at, req.last_token_at
+        done = DoneReply(
+            request_id=info.request_id,
+            text=req.detok.text,
+            token_ids=list(req.detok.token_ids),
+            finish_reason=reason,
+            usage={"prompt_tokens": info.num_prompt_tokens, "completion_tokens": n},
+            timing={
+                "queue_s": _delta(info.arrival_time, req.scheduled_at),
+                "ttft_s": _delta(info.arrival_time, first),
+                "tpot_s": (last - first) / (n - 1) if n > 1 and first and last else 0.0,
+                "e2e_s": max(0.0, now - info.arrival_time),
+            },
+        )
+        if reason in ("cancelled", "timeout"):
+            out.aborts.append(info.request_id)
+        self._close(req, done, out)
+
+    def _error(self, req: _Request, code: str, message: str, out: Output) -> None:
+        self._close(req, ErrorReply(req.info.request_id, code, message), out)
+
+    def _close(self, req: _Request, reply: DoneReply | ErrorReply, out: Output) -> None:
+        rid = req.info.request_id
+        del self._active[rid]
+        self._finished[rid] = None
+        while len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+        out.replies.append((req.info.reply_to, reply))
+        out.finished.append((req.info, reply))
+
+
+def _pop_covering(pending: dict[int, TokenEvent], index: int) -> TokenEvent | None:
+    """Remove and return an event that starts at or before ``index`` and is not stale."""
+    for start in sorted(pending):
+        if start > index:
+            return None
+        ev = pending.pop(start)
+        if start + len(ev.token_ids) > index or ev.finish_reason is not None:
+            return ev
+    return None
+
+
+def _delta(t0: float, t1: float | None) -> float:
+    return max(0.0, t1 - t0) if t1 is not None else 0.0

@@ -1,0 +1,76 @@
+"""Incremental detokenization with exact stop-string cuts.
+
+Byte-level BPE splits multi-byte UTF-8 characters across tokens, so decoding one token at a time
+yields U+FFFD halves. We decode a short window ``ids[prefix_offset:]`` and emit only text that is
+stable (does not end in U+FFFD); the window restarts at the last stable boundary, so each step
+costs O(window), not O(output). At finish, whatever is still held back is flushed from a full
+decode, so the streamed deltas always add up to the final text.
+
+Stop strings: text that could still become the start of a stop string is held back from the
+stream, so a client never sees characters that the final text will cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self.stop = tuple(stop)
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""  # stable text decoded so far (cut at a stop string once one is found)
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._streamed = 0  # characters of self.text already handed out as deltas
+        self.stopped = False  # a stop string was found; self.text ends right before it
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Append tokens; afterwards :meth:`take_delta` returns what may be streamed."""
+        if self.stopped:
+            return
+        self.token_ids.extend(token_ids)
+        ids = self.token_ids
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            self._append_text(new_text[len(prefix_text) :])
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+
+    def finish(self) -> None:
+        """No more tokens: flush text held back for incomplete characters."""
+        if self.stopped:
+            return
+        full = self._decode(self.token_ids)
+        if full.startswith(self.text):
+            self._append_text(full[len(self.text) :])
+        self._holdback = 0
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text not yet streamed; keeps back a possible stop-string prefix unless ``final``."""
+        limit = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback
+        if limit <= self._streamed:
+            return ""
+        delta = self.text[self._streamed : limit]
+        self._streamed = limit
+        return delta
+
+    def _append_text(self, delta: str) -> None:
+        if not delta:
+            return
+        start = max(0, len(self.text) - self._holdback)
+        self.text += delta
+        if not self.stop:
+            return
+        # Only the new text and the holdback before it can contain a stop string not seen yet.
+        window = self.text[start:]
+        cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=None)
+        if cut is not None:
+            self.text = self.text[: start + cut]
+            self.stopped = True

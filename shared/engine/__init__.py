@@ -1,0 +1,22 @@
+"""Baton's native inference engine: model, paged KV cache, block manager, sampler.
+
+The services drive it through three objects: :class:`BlockManager` (which KV blocks a sequence
+owns), :class:`ModelRunner` (one forward over a flat batch) and :class:`Sequence` (a request's
+tokens and progress). Nothing here touches the broker.
+"""
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.model_config import ModelConfig
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampler import Sampler
+from shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+__all__ = [
+    "BlockManager",
+    "ModelConfig",
+    "ModelRunner",
+    "Sampler",
+    "SamplingParams",
+    "Sequence",
+    "SequenceStatus",
+]

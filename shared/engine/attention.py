@@ -1,0 +1,277 @@
+"""Paged attention: store the new K/V at ``slot_mapping``, then attend over each sequence's KV.
+
+The runner builds one metadata object per forward (tensors, masks, gather indices) through an
+:class:`AttentionBackend`; every layer then calls :func:`attention` with it. Two backends:
+- torch (any device, the CPU path): decode gathers each sequence's blocks into a padded
+  ``[B, L, Hkv, D]`` view and runs one masked SDPA; prefill runs one SDPA per sequence, causal
+  (``is_causal``) when it has no cached prefix, else with a causal-with-offset mask.
+- triton (CUDA, when ``kernels`` imports): the paged kernels read the pools in place.
+
+Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see ENGINE.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
+
+
+class AttentionMetadata(Protocol):
+    slot_mapping: torch.Tensor
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (the new tokens) -> ``[T, Hq, D]``."""
+    return meta.forward(q, k, v, kv_layer)
+
+
+def store_kv_torch(
+    k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    flat = kv_layer.flatten(1, 2)  # [2, num_slots, Hkv, D], a view
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+@dataclass
+class TorchDecodeMetadata:
+    slot_mapping: torch.Tensor  # int64 [B]
+    block_ids: torch.Tensor  # int64 [B * max_blocks]: block tables padded with block 0, flat
+    mask: torch.Tensor  # bool [B, 1, 1, max_blocks * block_size]
+    num_kv_heads: int
+    scale: float
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        batch, num_heads, head_dim = q.shape
+        # index_select over whole blocks is a row memcpy; advanced indexing is ~7x slower here.
+        kv = kv_layer.index_select(1, self.block_ids).view(2, batch, -1, *kv_layer.shape[3:])
+        # Grouped-query attention without repeating K/V: each KV head sees its group of query
+        # heads as a short query sequence (q head h uses KV head h // group, as in repeat_kv).
+        group = num_heads // self.num_kv_heads
+        qg = q.view(batch, self.num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(
+            qg, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=self.mask, scale=self.scale
+        )
+        return out.view(batch, num_heads, head_dim)
+
+
+@dataclass
+class _PrefillSeq:
+    query_start: int
+    query_end: int
+    # Only for a sequence with a cached prefix: its blocks and causal-with-offset mask.
+    block_ids: torch.Tensor | None
+    context_len: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class TorchPrefillMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]
+    seqs: list[_PrefillSeq]
+    scale: float
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        out = torch.empty_like(q)
+        for s in self.seqs:
+            qs = q[s.query_start : s.query_end].transpose(0, 1)  # [Hq, n, D]
+            if s.block_ids is None:  # whole context is this chunk: plain causal attention
+                ks = k[s.query_start : s.query_end].transpose(0, 1)
+                vs = v[s.query_start : s.query_end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                kv = kv_layer.index_select(1, s.block_ids).flatten(1, 2)[:, : s.context_len]
+                o = F.scaled_dot_product_attention(
+                    qs,
+                    kv[0].transpose(0, 1),
+                    kv[1].transpose(0, 1),
+                    attn_mask=s.mask,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
+            out[s.query_start : s.query_end] = o.transpose(0, 1)
+        return out
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, block_size: int, num_kv_heads: int, scale: float, device: torch.device):
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.device = device
+
+    def decode_metadata(
+        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
+    ) -> TorchDecodeMetadata:
+        dev = self.device
+        max_blocks = (max(context_lens) + self.block_size - 1) // self.block_size
+        padded = [bt[:max_blocks] + [0] * (max_blocks - len(bt)) for bt in block_tables]
+        lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+        span = torch.arange(max_blocks * self.block_size, device=dev)
+        return TorchDecodeMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            block_ids=torch.tensor(padded, dtype=torch.int64, device=dev).flatten(),
+            mask=(span[None, :] < lens[:, None])[:, None, None, :],
+            num_kv_heads=self.num_kv_heads,
+            scale=self.scale,
+        )
+
+    def prefill_metadata(
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+    ) -> TorchPrefillMetadata:
+        dev, bs = self.device, self.block_size
+        seqs: list[_PrefillSeq] = []
+        start = 0
+        for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+            if n == ctx:
+                seqs.append(_PrefillSeq(start, start + n, None, ctx, None))
+            else:
+                nblk = (ctx + bs - 1) // bs
+                block_ids = torch.tensor(bt[:nblk], dtype=torch.int64, device=dev)
+                # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
+                q_pos = torch.arange(ctx - n, ctx, device=dev)
+                mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+                seqs.append(_PrefillSeq(start, start + n, block_ids, ctx, mask))
+            start += n
+        return TorchPrefillMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            seqs=seqs,
+            scale=self.scale,
+        )
+
+
+@dataclass
+class TritonDecodeMetadata:
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    scale: float
+    ops: Any
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        self.ops.store_kv(k, v.contiguous(), kv_layer[0], kv_layer[1], self.slot_mapping)
+        return self.ops.paged_decode_attention(
+            q, kv_layer[0], kv_layer[1], self.block_tables, self.context_lens, self.scale
+        )
+
+
+@dataclass
+class TritonPrefillMetadata:
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B], context length after this chunk
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    scale: float
+    ops: Any
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        self.ops.store_kv(k, v.contiguous(), kv_layer[0], kv_layer[1], self.slot_mapping)
+        return self.ops.prefill_attention(
+            q,
+            kv_layer[0],
+            kv_layer[1],
+            self.cu_seqlens_q,
+            self.seq_lens,
+            self.block_tables,
+            self.scale,
+        )
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, ops: Any, block_size: int, scale: float, device: torch.device):
+        self.ops = ops
+        self.block_size = block_size
+        self.scale = scale
+        self.device = device
+
+    def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(bt) for bt in block_tables)
+        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
+        return torch.tensor(padded, dtype=torch.int32, device=self.device)
+
+    def decode_metadata(
+        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
+    ) -> TritonDecodeMetadata:
+        return TritonDecodeMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
+            block_tables=self._tables(block_tables),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            scale=self.scale,
+            ops=self.ops,
+        )
+
+    def prefill_metadata(
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+    ) -> TritonPrefillMetadata:
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        return TritonPrefillMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            block_tables=self._tables(block_tables),
+            scale=self.scale,
+            ops=self.ops,
+        )
+
+
+AttentionBackend = TorchAttentionBackend | TritonAttentionBackend
+
+
+def select_backend(
+    device: torch.device, block_size: int, num_kv_heads: int, scale: float
+) -> AttentionBackend:
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else pure torch."""
+    if device.type == "cuda":
+        try:
+            import kernels
+
+            needed: Sequence[str] = ("paged_decode_attention", "prefill_attention", "store_kv")
+            if all(hasattr(kernels, name) for name in needed):
+                return TritonAttentionBackend(kernels, block_size, scale, device)
+            log.warning("kernels package lacks paged attention ops; using torch attention")
+        except ImportError as exc:  # triton missing or broken on this host
+            log.warning("triton kernels unavailable; using torch attention", error=str(exc))
+    return TorchAttentionBackend(block_size, num_kv_heads, scale, device)

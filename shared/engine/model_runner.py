@@ -1,0 +1,179 @@
+"""ModelRunner: owns the model, the paged KV cache and the sampler; one call = one forward.
+
+Each call turns the scheduled sequences into flat tensors once (input_ids, positions,
+slot_mapping, attention metadata, logits indices), runs the model under ``inference_mode`` and
+samples. It reads the sequences but never mutates them: advancing ``num_computed_tokens``,
+appending tokens and publishing prefix blocks is the caller's (scheduler's) job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+import torch
+
+from shared.config import BatonConfig
+from shared.engine.attention import AttentionMetadata, select_backend
+from shared.engine.loader import load_model, parse_dtype
+from shared.engine.model_config import ModelConfig
+from shared.engine.sampler import Sampler
+from shared.engine.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: BatonConfig, model_dir: Path | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.model_config: ModelConfig
+        self.model_config, self.model = load_model(
+            model_dir or config.model_dir, self.device, self.dtype
+        )
+        cfg = self.model_config
+        self.block_bytes = (
+            cfg.num_layers
+            * 2
+            * self.block_size
+            * cfg.num_kv_heads
+            * cfg.head_dim
+            * self.dtype.itemsize
+        )
+        if config.num_kv_blocks > 0:
+            self.num_kv_blocks = config.num_kv_blocks
+        else:
+            self.num_kv_blocks = (config.kv_cache_mb << 20) // self.block_bytes
+        if self.num_kv_blocks <= 0:
+            raise ValueError(
+                f"kv_cache_mb={config.kv_cache_mb} holds no block of {self.block_bytes} bytes"
+            )
+        self.kv_cache = torch.zeros(
+            cfg.num_layers,
+            2,
+            self.num_kv_blocks,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.attn_backend = select_backend(
+            self.device, self.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5
+        )
+        self.sampler = Sampler()
+        log.info(
+            "model runner ready",
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            kv_cache_mb=round(self.kv_cache.numel() * self.dtype.itemsize / 2**20, 1),
+            attention=self.attn_backend.name,
+        )
+
+    @property
+    def max_num_tokens_in_cache(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    # --- forward passes -----------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+        """Compute tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence.
+
+        Returns a sampled token for each sequence whose chunk reaches its ``num_tokens`` (the
+        prompt is complete), ``None`` for one that stopped mid-prompt (chunked prefill).
+        """
+        if len(seqs) != len(num_new_tokens) or not seqs:
+            raise ValueError("prefill needs one positive token count per sequence")
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled_rows: list[int] = []
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if n <= 0 or end > seq.num_tokens:
+                raise ValueError(f"{seq.request_id!r}: cannot compute tokens {start}..{end}")
+            if len(seq.block_table) * bs < end:
+                raise ValueError(f"{seq.request_id!r}: blocks for {end} tokens not allocated")
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            _extend_slots(slot_mapping, seq.block_table, start, end, bs)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sampled_rows.append(i)
+        meta = self.attn_backend.prefill_metadata(
+            slot_mapping, [s.block_table for s in seqs], num_new_tokens, context_lens
+        )
+        sampled = self._run(
+            input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
+        )
+        out: list[int | None] = [None] * len(seqs)
+        for row, token in zip(sampled_rows, sampled, strict=True):
+            out[row] = token
+        return out
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One token per sequence from its last token (position ``num_tokens - 1``, whose slot
+        the caller has appended)."""
+        if not seqs:
+            return []
+        bs = self.block_size
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slot_mapping = [
+            seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)
+        ]
+        context_lens = [p + 1 for p in positions]
+        meta = self.attn_backend.decode_metadata(
+            slot_mapping, [seq.block_table for seq in seqs], context_lens
+        )
+        input_ids = [seq.token_ids[-1] for seq in seqs]
+        return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs)
+
+    @torch.inference_mode()
+    def _run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        meta: AttentionMetadata,
+        logits_indices: list[int],
+        sample_seqs: list[Sequence],
+    ) -> list[int]:
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache,
+            meta,
+        )
+        if not logits_indices:
+            return []
+        if len(logits_indices) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(logits_indices, dtype=torch.int64, device=dev)]
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(
+            logits, [s.sampling for s in sample_seqs], [s.num_tokens for s in sample_seqs]
+        )
+
+    # --- KV transport -------------------------------------------------------------------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the given blocks' KV, ``[L, 2, n, block_size, Hkv, D]``."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache.index_select(2, index)
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit {expected}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, index, kv.to(device=self.device, dtype=self.dtype))
+
+
+def _extend_slots(out: list[int], block_table: list[int], start: int, end: int, bs: int) -> None:
+    """Append the cache slots of positions ``start..end-1``: one range per block touched."""
+    for b in range(start // bs, (end - 1) // bs + 1):
+        base = block_table[b] * bs - b * bs
+        out.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
