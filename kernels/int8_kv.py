@@ -177,11 +177,11 @@ def bench_int8_decode(
     head_dim: int = 128,
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
 ) -> dict[str, float]:
     """Times int8 decode beside the bf16 kernel on the same (dequantized) KV (CUDA only)."""
     from triton.testing import do_bench
 
-    device = torch.device("cuda")
     blocks_per_seq = triton.cdiv(context_len, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_dim)

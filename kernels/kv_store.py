@@ -104,11 +104,11 @@ def bench_store_kv(
     num_blocks: int = 4096,
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
 ) -> dict[str, float]:
     """Times the store against the torch indexed copy (CUDA only); bytes = read + written."""
     from triton.testing import do_bench
 
-    device = torch.device("cuda")
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)

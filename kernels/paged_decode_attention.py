@@ -309,11 +309,11 @@ def bench_paged_decode(
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
     num_splits: int | None = None,
+    device: str = "cuda",
 ) -> dict[str, float]:
     """Times the kernel and SDPA on pre-gathered contiguous KV (CUDA only)."""
     from triton.testing import do_bench
 
-    device = torch.device("cuda")
     blocks_per_seq = triton.cdiv(context_len, block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)

@@ -213,6 +213,7 @@ def bench_prefill(
     head_dim: int = 128,
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
 ) -> dict[str, float]:
     """Times a from-scratch causal prefill of equal-length prompts against SDPA is_causal on
     contiguous [B, H, L, D] tensors (CUDA only). Both do the same causal FLOPs."""
@@ -220,7 +221,6 @@ def bench_prefill(
 
     if len(set(q_lens)) != 1:
         raise ValueError("the SDPA baseline needs equal prompt lengths")
-    device = torch.device("cuda")
     batch, q_len = len(q_lens), q_lens[0]
     blocks_per_seq = triton.cdiv(q_len, block_size)
     num_blocks = batch * blocks_per_seq

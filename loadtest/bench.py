@@ -39,6 +39,7 @@ from loadtest.workload import (
     format_summary,
     make_workload,
     parse_mix,
+    percentile,
     read_vocab,
     summarize,
     workload_flops,
@@ -270,15 +271,26 @@ def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
         axes[2].plot(rates, [r["summary"]["goodput"] for r in runs], "s--", label="goodput")
         axes[2].set(xlabel="request rate (req/s)", ylabel="req/s", title="throughput / goodput")
         axes[2].legend()
-    else:  # one run: the distributions
+    else:  # one run: the distributions, as empirical CDFs with the SLO and p50/p99 marked
         reqs = runs[0]["requests"]
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for ax, key, bound in ((axes[0], "ttft", slo.ttft_s), (axes[1], "tpot", slo.tpot_s)):
-            values = [r[key] for r in reqs if r.get(key) is not None]
-            ax.hist(values, bins=30, color="tab:blue", alpha=0.8)
-            ax.axvline(bound, color="red", lw=0.8, ls=":", label=f"SLO {bound}s")
-            ax.set(xlabel=f"{key.upper()} (s)", ylabel="requests", title=f"{key.upper()}")
-            ax.legend()
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        panels = (
+            ("TTFT", [r["ttft"] for r in reqs if r.get("ttft") is not None], slo.ttft_s),
+            ("TPOT", [r["tpot"] for r in reqs if r.get("tpot") is not None], slo.tpot_s),
+            ("ITL", [x for r in reqs for x in r.get("itl", [])], None),
+        )
+        for ax, (name, values, bound) in zip(axes, panels, strict=True):
+            xs = sorted(1000 * v for v in values)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
+            for q, style in ((50, "--"), (99, ":")):
+                if xs:
+                    v = percentile(xs, q)
+                    ax.axvline(v, color="gray", lw=0.8, ls=style, label=f"p{q} {v:.1f} ms")
+            if bound is not None:
+                ax.axvline(1000 * bound, color="red", lw=1.0, label=f"SLO {1000 * bound:g} ms")
+            ax.set(xlabel=f"{name} (ms)", ylabel="fraction of requests", title=name, ylim=(0, 1.02))
+            ax.set_xlim(left=0)
+            ax.legend(loc="lower right")
     fig.suptitle("Baton benchmark (client-side latencies)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -377,9 +389,9 @@ def _print_comparison(s: Summary, baseline: dict[str, Any] | None, floor: dict[s
         )
         print(f"{'Baton / HF:':<40}{s.output_throughput / hf:>11.2f}x")
     ceiling = floor["floor_output_throughput"]
-    print(f"{'Workload FLOPs (matmul + attention):':<40}{floor['total'] / 1e9:>9.1f} GF")
+    print(f"{'Workload FLOPs (matmul + attention):':<40}{floor['total'] / 1e9:>9.4g} GF")
     print(f"{'Measured peak fp32 matmul:':<40}{floor['peak_gflops']:>9.1f} GF/s")
-    print(f"{'Compute floor (FLOPs / peak):':<40}{floor['floor_s']:>11.2f}s")
+    print(f"{'Compute floor (FLOPs / peak):':<40}{floor['floor_s'] * 1000:>10.1f}ms")
     print(f"{'Tokens/s the floor allows:':<40}{ceiling:>12.1f}")
     print(f"{'Baton at % of the floor:':<40}{100 * s.output_throughput / ceiling:>11.1f}%")
     print("=" * 52)

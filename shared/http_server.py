@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import urllib.error
 import urllib.request
@@ -43,6 +44,7 @@ _REASONS = {
     405: "Method Not Allowed",
     408: "Request Timeout",
     431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 
@@ -73,7 +75,7 @@ async def start_metrics_server(
         except _BadRequest as exc:
             status, content_type, body = exc.status, "text/plain", _REASONS[exc.status].encode()
             method = "GET"
-        except TimeoutError:
+        except asyncio.TimeoutError:  # an alias of TimeoutError from 3.11 on
             status, content_type, body, method = 408, "text/plain", b"Request Timeout", "GET"
         except (ConnectionError, asyncio.IncompleteReadError):
             writer.close()
@@ -94,6 +96,8 @@ async def start_metrics_server(
             pass
         finally:
             writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
 
     server = await asyncio.start_server(handle, host, port, limit=MAX_LINE_BYTES)
     log.info("metrics server listening", host=host, port=port)
@@ -135,7 +139,11 @@ def _route(
     if method not in ("GET", "HEAD"):
         return 405, "text/plain", b"method not allowed\n"
     if path == "/metrics":
-        return 200, METRICS_CONTENT_TYPE, metrics.render()
+        try:
+            return 200, METRICS_CONTENT_TYPE, metrics.render()
+        except Exception:  # a failing collector must not take /health and /ready down with it
+            log.exception("metrics collection failed")
+            return 500, "text/plain", b"metrics collection failed\n"
     if path == "/health":
         return 200, "text/plain", b"ok\n"
     try:
@@ -146,15 +154,19 @@ def _route(
     return (200, "text/plain", b"ready\n") if is_ready else (503, "text/plain", b"not ready\n")
 
 
-def probe(port: int, path: str = "/health", host: str = "127.0.0.1", timeout: float = 3.0) -> int:
-    """GET ``path`` on a local metrics server; return the HTTP status (0 = no answer)."""
+def probe(
+    port: int, path: str = "/health", host: str = "127.0.0.1", timeout: float = 3.0
+) -> int | None:
+    """GET ``path`` on a local metrics server; return the HTTP status, None if nothing answered."""
+    # No proxies: an HTTP(S)_PROXY in the container's environment must not capture localhost.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as response:
+        with opener.open(f"http://{host}:{port}{path}", timeout=timeout) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
     except OSError:
-        return 0
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -36,6 +37,9 @@ from shared.tiny_tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = structlog.get_logger(__name__)
 
@@ -64,8 +68,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # Tests and the demo.
     "tiny": Preset(64, 2, 4, 2, 16, 128, 512),
-    # Benchmarks: ~4M matmul params, so 64 x (128 + 64) tokens is ~100 GFLOP.
-    "bench": Preset(256, 4, 8, 4, 32, 688, 4096),
+    # Benchmarks: 3.6M matmul params, so 64 requests x (128 + 64) tokens is ~88 GFLOP plus
+    # attention. intermediate 576 = 9 x 64 keeps every matmul dim a multiple of 64.
+    "bench": Preset(256, 4, 8, 4, 32, 576, 4096),
 }
 
 # Init scales (std = gain / sqrt(fan_in) for projections), tuned by measuring greedy output.
@@ -74,8 +79,9 @@ PRESETS: dict[str, Preset] = {
 # - The embedding is small next to what the layers add to the residual stream, so the next token
 #   is not mostly a function of the current one (the tied qwen3 head otherwise echoes its input).
 # - Logits have std ~LOGIT_SCALE: a confident softmax (median top-1 probability ~0.8).
-# - Byte and special-token rows of the head are smaller, so greedy text is mostly multi-byte
-#   pieces (word salad rather than mojibake) yet still emits split UTF-8 and the odd EOS.
+# - Single-byte rows of the head are smaller, so greedy text is mostly multi-byte pieces (word
+#   salad rather than mojibake) yet still emits split UTF-8. Special tokens keep full rows so
+#   greedy output sometimes ends on EOS.
 EMBED_STD = 0.1
 QK_GAIN = 2.0
 QK_NORM_GAIN = 2.0
@@ -87,7 +93,7 @@ LOGIT_SCALE = 8.0
 BYTE_ROW_SCALE = 0.6
 
 
-def _make_config(p: Preset, arch: str, eos_token_id: int, pad_token_id: int):
+def _make_config(p: Preset, arch: str, eos_token_id: int, pad_token_id: int) -> PretrainedConfig:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -134,7 +140,7 @@ def _init_std(name: str, fan_in: int) -> float:
 
 @torch.no_grad()
 def _init_weights(model: torch.nn.Module, seed: int, byte_rows: torch.Tensor) -> None:
-    """Overwrite every parameter. ``byte_rows``: bool [vocab], single-byte and special tokens."""
+    """Overwrite every parameter. ``byte_rows``: bool [vocab], the single-byte tokens."""
     tied = model.config.tie_word_embeddings
     hidden = model.config.hidden_size
     # The head's base std; tied, the head is the (small) embedding and the final norm makes up
@@ -178,6 +184,8 @@ def count_params(p: Preset, arch: str) -> dict[str, int]:
     return {"total": total, "matmul": matmul}
 
 
+# transformers is imported inside the builders: it takes seconds, and ensure_tiny_model's fast
+# path (the model is already there) should not pay for it.
 def build_tiny_model(
     out_dir: Path, preset: str = "tiny", arch: str = "llama", seed: int = DEFAULT_SEED
 ) -> Path:
@@ -192,8 +200,9 @@ def build_tiny_model(
     eos_id = tokenizer.token_to_id(IM_END)
     pad_id = tokenizer.token_to_id(ENDOFTEXT)
     config = _make_config(p, arch, eos_token_id=eos_id, pad_token_id=pad_id)
-    torch.manual_seed(seed)  # HF's own init runs first; every parameter is then overwritten
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # HF's own init draws from the global RNG; fork it so the caller's stream is untouched.
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, _byte_rows(tokenizer))
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id,
@@ -223,7 +232,7 @@ def _byte_rows(tokenizer: Tokenizer) -> torch.Tensor:
     rows = torch.zeros(tokenizer.get_vocab_size(), dtype=torch.bool)
     for token, token_id in tokenizer.get_vocab().items():
         rows[token_id] = len(token) == 1  # byte-level alphabet: one char per byte
-    rows[list(tokenizer.get_added_tokens_decoder())] = True
+    rows[list(tokenizer.get_added_tokens_decoder())] = False  # EOS stays reachable
     return rows
 
 
@@ -243,17 +252,9 @@ def _read_marker(model_dir: Path) -> dict | None:
 
 
 def _is_current(model_dir: Path, preset: str, arch: str) -> bool:
-    marker = _read_marker(model_dir)
-    return (
-        marker is not None
-        and marker.get("format_version") == FORMAT_VERSION
-        and (
-            marker.get("preset"),
-            marker.get("arch"),
-            marker.get("seed"),
-        )
-        == (preset, arch, DEFAULT_SEED)
-    )
+    marker = _read_marker(model_dir) or {}
+    expected = {"format_version": FORMAT_VERSION, "preset": preset, "arch": arch}
+    return all(marker.get(k) == v for k, v in expected.items()) and "seed" in marker
 
 
 def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") -> Path:
@@ -273,6 +274,7 @@ def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
     try:
         build_tiny_model(tmp, preset=preset, arch=arch, seed=DEFAULT_SEED)
+        _make_readable(tmp)  # mkdtemp is 0700; services may run as other users
         for _ in range(3):
             if _is_current(out_dir, preset, arch):
                 return out_dir  # another process won the race
@@ -285,6 +287,12 @@ def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") 
         raise RuntimeError(f"could not install tiny model at {out_dir}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_readable(model_dir: Path) -> None:
+    model_dir.chmod(0o755)
+    for path in model_dir.iterdir():
+        path.chmod(0o644)
 
 
 def _move_aside(model_dir: Path) -> None:
@@ -300,7 +308,7 @@ def _move_aside(model_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Build a deterministic tiny HF model.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)

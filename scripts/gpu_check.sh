@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU check for kernels/: the kernel tests compiled for the GPU at full size, then the
+# benchmarks. Meant for a lent H200 (torch + triton preinstalled); run from anywhere:
+#     OUT=/some/dir scripts/gpu_check.sh
+# Writes under $OUT (default ./out): env.txt, pytest.xml, pytest.log, bench.json, bench.log.
+# Budget: under 6 minutes (pytest capped at 240 s, bench at 100 s). Exit status: pytest's,
+# else the bench's.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # the tests pick the interpreter only when CUDA is missing
+
+if ! "$PY" -c "import triton" 2>/dev/null; then
+    echo "triton missing: installing triton only"
+    "$PY" -m pip install -q triton || exit 1
+fi
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
+        2>&1 || true
+    "$PY" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, \
+'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); \
+print('triton', triton.__version__)"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+start=$(date +%s)
+timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
+    --junitxml="$OUT/pytest.xml" --durations=10 2>&1 | tee "$OUT/pytest.log"
+test_rc=${PIPESTATUS[0]}
+echo "pytest exit $test_rc after $(($(date +%s) - start)) s"
+
+start=$(date +%s)
+timeout 100 "$PY" -m kernels.bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "bench exit $bench_rc after $(($(date +%s) - start)) s"
+
+if [ "$test_rc" -ne 0 ]; then
+    exit "$test_rc"
+fi
+exit "$bench_rc"

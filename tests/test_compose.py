@@ -1,0 +1,253 @@
+"""The deployment files, resolved by Compose itself (`docker-compose config`), not re-parsed.
+
+Runs every Compose found: Debian's `docker-compose` (v1, what CI installs with apt) and the
+`docker compose` plugin (v2) where it works. No Docker engine is needed: `config` only merges,
+interpolates and validates.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = ("tokenizer", "prefill", "decode", "detokenizer")
+GPU_WORKERS = ("prefill", "decode")
+SECRET = "test-only-3f9a1c"
+SPILL_DIR = "/dev/shm/baton"
+
+# (id, -f files); None = no -f, so Compose also merges compose.override.yaml by itself.
+VARIANTS = {
+    "gpu-default": None,
+    "gpu-explicit": ["compose.yaml", "compose.override.yaml"],
+    "cpu": ["compose.yaml", "compose.cpu.yaml"],
+}
+
+
+def _runners() -> list[Any]:
+    found = []
+    if shutil.which("docker-compose"):
+        found.append(pytest.param(["docker-compose"], id="docker-compose"))
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            found.append(pytest.param(["docker", "compose"], id="docker-compose-v2"))
+    if not found:
+        reason = "no Compose binary: apt-get install -y docker-compose (CI does)"
+        found.append(pytest.param([], id="no-compose", marks=pytest.mark.skip(reason=reason)))
+    return found
+
+
+RUNNERS = _runners()
+
+
+def _compose(runner: list[str], files: list[str] | None, **env: str) -> subprocess.CompletedProcess:
+    # Only what we pass: a developer's BATON_* / COMPOSE_FILE must not change the result.
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "COMPOSE_"))}
+    clean.update(env)
+    argv = [*runner, *(a for f in files or [] for a in ("-f", f)), "config"]
+    return subprocess.run(argv, cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
+
+
+def _resolved(runner: list[str], variant: str, **env: str) -> dict[str, Any]:
+    env.setdefault("BATON_RABBITMQ_PASSWORD", SECRET)
+    stdout = _resolved_text(tuple(runner), variant, tuple(sorted(env.items())))
+    return yaml.safe_load(stdout)  # a fresh dict per call: tests may not share mutations
+
+
+@functools.cache
+def _resolved_text(runner: tuple[str, ...], variant: str, env: tuple[tuple[str, str], ...]) -> str:
+    result = _compose(list(runner), VARIANTS[variant], **dict(env))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def _gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    reservations = ((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+    return [d for d in reservations.get("devices") or [] if "gpu" in d.get("capabilities", [])]
+
+
+def _volume_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """target -> named-volume source (bind mounts left out), short or long syntax."""
+    mounts = {}
+    for v in service.get("volumes") or []:
+        if isinstance(v, str):
+            source, target = v.split(":")[:2]
+            if not source.startswith(("/", ".")):
+                mounts[target] = source
+        elif v.get("type") == "volume":
+            mounts[v["target"]] = v["source"]
+    return mounts
+
+
+@pytest.fixture(params=RUNNERS)
+def runner(request) -> list[str]:
+    return request.param
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stack_shape(runner: list[str], variant: str) -> None:
+    config = _resolved(runner, variant)
+    services = config["services"]
+    assert set(services) == {"rabbitmq", *WORKERS, "loadtest"}
+
+    broker = services["rabbitmq"]
+    assert broker["image"].startswith("rabbitmq:3.13-management")
+    assert "rabbitmq-diagnostics" in " ".join(broker["healthcheck"]["test"])
+    published = {str(p.get("target") if isinstance(p, dict) else p).split(":")[-1] for p in
+                 broker.get("ports", [])}  # fmt: skip
+    assert {"5672/tcp", "15672/tcp"} <= published or {"5672", "15672"} <= published
+
+    images = {services[name]["image"] for name in (*WORKERS, "loadtest")}
+    assert len(images) == 1, f"one image for the whole stack, got {images}"
+    for name in WORKERS:
+        service = services[name]
+        assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy", name
+        assert service["command"] == [name]
+        env = _env(service)
+        assert env["BATON_SPILL_DIR"] == SPILL_DIR
+        assert env["BATON_LOG_FORMAT"] == "json"
+        assert int(env["BATON_METRICS_PORT"]) > 0, "the healthcheck needs the metrics server"
+        # Scalable with --scale: nothing may pin a name or a host port.
+        assert "container_name" not in service, name
+        assert not service.get("ports"), f"{name} publishes a host port"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_and_decode_share_the_spill_store(runner: list[str], variant: str) -> None:
+    config = _resolved(runner, variant)
+    sources = {_volume_mounts(config["services"][n]).get(SPILL_DIR) for n in GPU_WORKERS}
+    assert len(sources) == 1 and None not in sources, sources
+    volume = config["volumes"][sources.pop()]
+    # RAM-backed and shared: a tmpfs named volume, not each container's private /dev/shm.
+    assert volume["driver_opts"]["type"] == "tmpfs"
+    assert "mode=1777" in volume["driver_opts"]["o"], "the services run as a non-root user"
+
+
+@pytest.mark.parametrize("variant", ["gpu-default", "gpu-explicit"])
+def test_gpu_variant(runner: list[str], variant: str) -> None:
+    services = _resolved(runner, variant)["services"]
+    for name in GPU_WORKERS:
+        service = services[name]
+        devices = _gpu_devices(service)
+        assert len(devices) == 1 and devices[0]["driver"] == "nvidia", name
+        assert devices[0]["device_ids"] == ["0"]
+        # CUDA IPC across containers needs the shared PID and IPC namespaces.
+        assert service["ipc"] == "host" and service["pid"] == "host", name
+        env = _env(service)
+        assert env["BATON_DEVICE"] == "cuda"
+        assert env["BATON_KV_TRANSPORT"] == "cuda-ipc"
+    for name in ("rabbitmq", "tokenizer", "detokenizer", "loadtest"):
+        assert not _gpu_devices(services[name]), f"{name} must not hold a GPU"
+        assert "pid" not in services[name] and "ipc" not in services[name], name
+
+
+def test_gpu_devices_are_chosen_by_env(runner: list[str]) -> None:
+    services = _resolved(runner, "gpu-default", BATON_DECODE_GPUS="1", BATON_KV_TRANSPORT="shm")
+    assert _gpu_devices(services["services"]["prefill"])[0]["device_ids"] == ["0"]
+    assert _gpu_devices(services["services"]["decode"])[0]["device_ids"] == ["1"]
+    assert _env(services["services"]["decode"])["BATON_KV_TRANSPORT"] == "shm"
+
+
+def test_cpu_variant_has_no_gpu(runner: list[str]) -> None:
+    services = _resolved(runner, "cpu")["services"]
+    for name, service in services.items():
+        assert not _gpu_devices(service), name
+        assert "pid" not in service and "ipc" not in service, name
+    for name in WORKERS:
+        env = _env(services[name])
+        assert env["BATON_DEVICE"] == "cpu"
+        assert env["BATON_KV_TRANSPORT"] == "shm"
+        assert env["BATON_MODEL"] == "", "the CPU stack runs the built-in tiny model"
+        assert services[name]["build"]["args"]["TORCH_INDEX"].endswith("/whl/cpu")
+    # A separate tag: building the CPU stack must not overwrite the GPU image.
+    gpu_image = _resolved(runner, "gpu-default")["services"]["decode"]["image"]
+    assert services["decode"]["image"] != gpu_image
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_credentials(runner: list[str], variant: str) -> None:
+    services = _resolved(runner, variant, BATON_RABBITMQ_USER="ops")["services"]
+    broker_env = _env(services["rabbitmq"])
+    assert broker_env["RABBITMQ_DEFAULT_USER"] == "ops"
+    assert broker_env["RABBITMQ_DEFAULT_PASS"] == SECRET
+    for name in (*WORKERS, "loadtest"):
+        url = _env(services[name])["BATON_AMQP_URL"]
+        assert url == f"amqp://ops:{SECRET}@rabbitmq:5672/", name
+
+    default_user = _env(_resolved(runner, variant)["services"]["rabbitmq"])
+    assert default_user["RABBITMQ_DEFAULT_USER"] not in ("", "guest")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_default_password(runner: list[str], variant: str) -> None:
+    result = _compose(runner, VARIANTS[variant])  # BATON_RABBITMQ_PASSWORD unset
+    assert result.returncode != 0
+    assert "BATON_RABBITMQ_PASSWORD" in result.stderr
+
+
+def test_loadtest_profile(runner: list[str]) -> None:
+    services = _resolved(runner, "cpu", USERS="3", DURATION="5s")["services"]
+    loadtest = services["loadtest"]
+    assert loadtest["profiles"] == ["loadtest"]
+    command = loadtest["command"]
+    command = command if isinstance(command, str) else " ".join(command)
+    entrypoint = " ".join(loadtest["entrypoint"])
+    assert entrypoint == "locust"
+    assert re.search(r"-f loadtest/locustfile\.py --headless -u 3 -r 4 -t 5s", command), command
+    assert "--csv /results/baton" in command
+    assert "/results" in {
+        (v.split(":")[1] if isinstance(v, str) else v["target"]) for v in loadtest["volumes"]
+    }
+    for name in WORKERS:
+        assert loadtest["depends_on"][name]["condition"] == "service_healthy"
+    # The image's HEALTHCHECK probes a Baton service; Locust serves none.
+    assert loadtest["healthcheck"].get("disable") or loadtest["healthcheck"]["test"] == ["NONE"]
+
+
+def test_dockerfile() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert dockerfile.startswith("#") and "\nFROM python:3.11-slim\n" in dockerfile
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
+    assert users and users[-1] not in ("root", "0"), "the services must not run as root"
+    healthcheck = re.search(r"^HEALTHCHECK .*\n(.*\n)*?\s*CMD (.*)$", dockerfile, re.M)
+    assert healthcheck and "shared.http_server" in healthcheck.group(2)
+    assert "/health" in healthcheck.group(2)
+    assert "ARG TORCH_INDEX" in dockerfile
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for entry in ("models/", ".git/", "out/", "**/__pycache__/"):
+        assert entry in ignored, entry
+
+
+def test_dockerfile_reads_requirements_from_pyproject(tmp_path: Path) -> None:
+    """Run the Dockerfile's own extraction step against the real pyproject.toml."""
+    joined = re.sub(r"\\\n", "", (REPO / "Dockerfile").read_text())
+    (run,) = [line for line in joined.splitlines() if line.startswith("RUN EXTRAS=")]
+    step = run.removeprefix("RUN ").split(" && ")[0].strip()
+    assert step.endswith("> /tmp/requirements.txt"), step
+    out = tmp_path / "requirements.txt"
+    step = step.replace("/tmp/requirements.txt", shlex.quote(str(out)))
+    step = step.replace(" python -c ", f" {shlex.quote(sys.executable)} -c ", 1)
+    env = {**os.environ, "EXTRAS": "loadtest"}
+    subprocess.run(["sh", "-c", step], cwd=REPO, env=env, check=True, timeout=60)
+    requirements = out.read_text().splitlines()
+    names = {re.split(r"[<>=;! ]", r, maxsplit=1)[0] for r in requirements}
+    assert requirements[0].startswith("torch"), "the TORCH_INDEX step installs the first torch line"
+    assert {"torch", "aio-pika", "prometheus-client", "locust"} <= names

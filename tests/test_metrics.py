@@ -1,0 +1,256 @@
+"""shared.metrics and shared.http_server over a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.http_server import MAX_LINE_BYTES, start_metrics_server
+from shared.metrics import Metrics
+
+# The names the brief, dashboards and docs/deploy.md rely on (vLLM's, with the baton: prefix).
+EXPECTED_FAMILIES = {
+    "baton:time_to_first_token_seconds": "histogram",
+    "baton:time_per_output_token_seconds": "histogram",
+    "baton:e2e_request_latency_seconds": "histogram",
+    "baton:request_queue_time_seconds": "histogram",
+    "baton:num_requests_running": "gauge",
+    "baton:num_requests_waiting": "gauge",
+    "baton:queue_depth": "gauge",
+    "baton:batch_size": "histogram",
+    "baton:batch_token_utilization": "histogram",
+    "baton:kv_cache_usage_perc": "gauge",
+    "baton:kv_blocks_used": "gauge",
+    "baton:kv_blocks_free": "gauge",
+    "baton:prefix_cache_queries": "counter",
+    "baton:prefix_cache_hits": "counter",
+    "baton:handoff_bytes": "counter",
+    "baton:handoff_seconds": "histogram",
+    "baton:num_preemptions": "counter",
+    "baton:request_errors": "counter",
+    "baton:request_success": "counter",
+    "baton:prompt_tokens": "counter",
+    "baton:generation_tokens": "counter",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _sample(families: dict, family: str, sample: str, **labels: str) -> float:
+    for s in families[family].samples:
+        if s.name == sample and s.labels == labels:
+            return s.value
+    raise KeyError((family, sample, labels))
+
+
+async def _http(port: int, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    response = await reader.read()  # the server closes after one response
+    writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("ascii").split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+    assert int(headers["content-length"]) == len(body) or raw.startswith(b"HEAD")
+    return int(status_line.split()[1]), headers, body
+
+
+def _get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: test\r\nAccept: */*\r\n\r\n".encode()
+
+
+@pytest.fixture
+async def served():
+    metrics = Metrics()
+    state = {"ready": False}
+    port = _free_port()
+    server = await start_metrics_server(port, metrics, lambda: state["ready"], host="127.0.0.1")
+    assert server is not None
+    yield port, metrics, state
+    server.close()
+    await server.wait_closed()
+
+
+def test_every_expected_family_is_exported_with_its_type() -> None:
+    families = _families(Metrics().render().decode())
+    for name, kind in EXPECTED_FAMILIES.items():
+        assert name in families, name
+        assert families[name].type == kind, name
+
+
+def test_each_metrics_object_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()  # a global registry would raise "Duplicated timeseries" here
+    a.generation_tokens.inc(5)
+    fa, fb = _families(a.render().decode()), _families(b.render().decode())
+    assert _sample(fa, "baton:generation_tokens", "baton:generation_tokens_total") == 5
+    assert _sample(fb, "baton:generation_tokens", "baton:generation_tokens_total") == 0
+
+
+def test_kv_gauges_agree() -> None:
+    m = Metrics()
+    m.set_kv_blocks(num_used_blocks=30, num_free_blocks=10)
+    f = _families(m.render().decode())
+    assert _sample(f, "baton:kv_cache_usage_perc", "baton:kv_cache_usage_perc") == 0.75
+    assert _sample(f, "baton:kv_blocks_used", "baton:kv_blocks_used") == 30
+    m.set_kv_blocks(num_used_blocks=0, num_free_blocks=0)  # an engine with no pool yet
+    f = _families(m.render().decode())
+    assert _sample(f, "baton:kv_cache_usage_perc", "baton:kv_cache_usage_perc") == 0.0
+
+
+def test_cpu_device_exports_no_gpu_metrics() -> None:
+    m = Metrics()
+    m.watch_device("cpu")
+    assert not [n for n in _families(m.render().decode()) if n.startswith("baton:gpu_")]
+
+
+async def test_port_zero_starts_nothing() -> None:
+    assert await start_metrics_server(0, Metrics(), lambda: True) is None
+
+
+async def test_metrics_endpoint_serves_current_values(served) -> None:
+    port, metrics, _ = served
+    metrics.time_to_first_token.observe(0.2)
+    metrics.time_to_first_token.observe(3.0)
+    metrics.request_success.labels(finish_reason="length").inc(2)
+    metrics.request_errors.labels(code="timeout").inc()
+    metrics.set_queue_depths({"baton.prefill": 7, "baton.decode": 0})
+    metrics.handoff_bytes.labels(transport="shm").inc(4096)
+
+    status, headers, body = await _http(port, _get("/metrics"))
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    f = _families(body.decode())
+    ttft = "baton:time_to_first_token_seconds"
+    assert _sample(f, ttft, ttft + "_count") == 2
+    assert _sample(f, ttft, ttft + "_sum") == pytest.approx(3.2)
+    assert _sample(f, ttft, ttft + "_bucket", le="0.25") == 1
+    assert _sample(f, ttft, ttft + "_bucket", le="+Inf") == 2
+    ok = "baton:request_success"
+    assert _sample(f, ok, ok + "_total", finish_reason="length") == 2
+    err = "baton:request_errors"
+    assert _sample(f, err, err + "_total", code="timeout") == 1
+    assert _sample(f, "baton:queue_depth", "baton:queue_depth", queue="baton.prefill") == 7
+    hb = "baton:handoff_bytes"
+    assert _sample(f, hb, hb + "_total", transport="shm") == 4096
+
+    metrics.request_errors.labels(code="timeout").inc()  # a second scrape sees the change
+    _, _, body = await _http(port, _get("/metrics?name=ignored"))
+    assert _sample(_families(body.decode()), err, err + "_total", code="timeout") == 2
+
+
+async def test_health_and_readiness(served) -> None:
+    port, _, state = served
+    assert (await _http(port, _get("/health")))[::2] == (200, b"ok\n")
+    assert (await _http(port, _get("/ready")))[0] == 503
+    state["ready"] = True
+    assert (await _http(port, _get("/ready")))[0] == 200
+    status, headers, body = await _http(port, b"HEAD /ready HTTP/1.1\r\n\r\n")
+    assert (status, body) == (200, b"")
+    assert int(headers["content-length"]) == len(b"ready\n")
+
+
+async def test_readiness_check_that_raises_is_not_ready() -> None:
+    def broken() -> bool:
+        raise RuntimeError("engine gone")
+
+    port = _free_port()
+    server = await start_metrics_server(port, Metrics(), broken, host="127.0.0.1")
+    assert server is not None
+    try:
+        assert (await _http(port, _get("/ready")))[0] == 503
+        assert (await _http(port, _get("/health")))[0] == 200
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (_get("/nope"), 404),
+        (b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
+        (b"garbage\r\n\r\n", 400),
+        (b"GET /health SPDY/3\r\n\r\n", 400),
+        (b"GET /" + b"a" * (2 * MAX_LINE_BYTES) + b" HTTP/1.1\r\n\r\n", 400),
+        (b"GET /health HTTP/1.1\r\nX: " + b"b" * (2 * MAX_LINE_BYTES) + b"\r\n\r\n", 431),
+        (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n", 431),
+    ],
+    ids=["unknown-path", "post", "garbage", "not-http", "long-line", "long-header", "many-headers"],
+)
+async def test_bad_requests_are_answered_and_the_server_keeps_serving(
+    served, raw: bytes, expected: int
+) -> None:
+    port, _, _ = served
+    status, headers, _ = await _http(port, raw)
+    assert status == expected
+    if expected == 405:
+        assert headers["allow"] == "GET, HEAD"
+    assert (await _http(port, _get("/health")))[0] == 200
+
+
+async def test_client_that_hangs_up_does_not_break_the_server(served) -> None:
+    port, _, _ = served
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /hea")
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    assert (await _http(port, _get("/health")))[0] == 200
+
+
+async def test_probe_cli_follows_the_http_status(served) -> None:
+    """The Docker HEALTHCHECK command: exit 0 on 200 only."""
+    port, _, state = served
+
+    async def probe(*args: str) -> int:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shared.http_server", *args,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        return await proc.wait()
+
+    assert await probe("--port", str(port), "/health") == 0
+    assert await probe("--port", str(port), "/ready") == 1
+    state["ready"] = True
+    assert await probe("--port", str(port), "/ready") == 0
+    assert await probe("--port", str(_free_port()), "/health") == 1  # nothing listening
+    assert await probe("--port", "0") == 1  # metrics disabled: never reported healthy
+
+
+async def test_failing_collector_gives_500_not_a_dead_endpoint(served) -> None:
+    port, metrics, _ = served
+
+    class Broken:
+        def collect(self):
+            raise RuntimeError("device lost")
+
+    metrics.registry.register(Broken())
+    assert (await _http(port, _get("/metrics")))[0] == 500
+    assert (await _http(port, _get("/health")))[0] == 200
+
+
+def test_cuda_device_exports_gpu_memory() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    m = Metrics()
+    m.watch_device("cuda:0")
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
+    f = _families(m.render().decode())
+    allocated = "baton:gpu_memory_allocated_bytes"
+    assert _sample(f, allocated, allocated, gpu="0") >= held.numel()
+    used = "baton:gpu_memory_used_perc"
+    assert 0 < _sample(f, used, used, gpu="0") <= 1
