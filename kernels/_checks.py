@@ -42,7 +42,9 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
     """`shape` lists the expected sizes; None accepts any size in that dimension."""
-    ok = t.dim() == len(shape) and all(e is None or e == s for e, s in zip(shape, t.shape))
+    ok = t.dim() == len(shape) and all(
+        e is None or e == s for e, s in zip(shape, t.shape, strict=True)
+    )
     if not ok:
         expected = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
         raise ValueError(f"{name} has shape {list(t.shape)}, expected {expected}")

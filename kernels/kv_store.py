@@ -38,8 +38,12 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < NUM_HEADS)[:, None]
     dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k = tl.load(
+        k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask
+    )
+    v = tl.load(
+        v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
+    )
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -55,9 +59,7 @@ def store_kv(
 
     Every slot must lie inside the cache (not checked on the host: that would need a sync).
     """
-    _checks.check_device(
-        k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
-    )
+    _checks.check_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     _checks.check_dtype("k_cache", k_cache, _checks.FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
         _checks.check_same_dtype(name, t, "k_cache", k_cache)
@@ -109,7 +111,9 @@ def bench_store_kv(
     """Times the store against the torch indexed copy (CUDA only); bytes = read + written."""
     from triton.testing import do_bench
 
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    k_cache = torch.zeros(
+        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
+    )
     v_cache = torch.zeros_like(k_cache)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)

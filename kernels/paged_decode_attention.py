@@ -133,9 +133,7 @@ def _split_kv_reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context_len: int, num_sms: int
-) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """Split-KV only pays when batch * kv_heads programs leave SMs idle and each split still
     gets a long run of tokens; aim for about two programs per SM."""
     programs = batch * num_kv_heads
@@ -214,19 +212,19 @@ def launch_paged_decode(
     split_kv = num_splits > 1
     if split_kv:
         acc = q.new_empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32)
-        m = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
-        lse = torch.empty_like(m)
+        m_part = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
         target, stride_os = acc, acc.stride(2)
     else:
         # The pointer arguments are unused on this path (SPLIT_KV is a constexpr).
-        m = lse = out
+        m_part = l_part = out
         target, stride_os = out, 0
     k_scale_arg = k_cache if k_scale is None else k_scale
     v_scale_arg = v_cache if v_scale is None else v_scale
     stride_sb, stride_st = (0, 0) if k_scale is None else (k_scale.stride(0), k_scale.stride(1))
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale_arg, v_scale_arg, block_tables, context_lens,
-        target, m, lse, scale * LOG2E, tokens_per_split,
+        target, m_part, l_part, scale * LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         stride_sb, stride_st, block_tables.stride(0),
         target.stride(0), target.stride(1), stride_os,
@@ -236,7 +234,7 @@ def launch_paged_decode(
     )  # fmt: skip
     if split_kv:
         _split_kv_reduce_kernel[(batch, num_q_heads)](
-            acc, m, lse, out, out.stride(0), out.stride(1),
+            acc, m_part, l_part, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, num_warps=4,
         )  # fmt: skip
@@ -269,9 +267,7 @@ def paged_decode_attention(
     )  # fmt: skip
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """The first context_len tokens of one sequence as a contiguous [context_len, Hkv, D]."""
     block_size = cache.shape[1]
     pos = torch.arange(context_len, device=cache.device)
@@ -316,7 +312,9 @@ def bench_paged_decode(
 
     blocks_per_seq = triton.cdiv(context_len, block_size)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    k_cache = torch.randn(
+        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
+    )
     v_cache = torch.randn_like(k_cache)
     block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)
     block_tables = block_tables.view(batch, blocks_per_seq)
@@ -338,7 +336,7 @@ def bench_paged_decode(
     sdpa_ms = do_bench(lambda: sdpa(q4, k, v, scale=scale, enable_gqa=True))
     elem = q.element_size()
     nbytes = 2 * batch * context_len * num_kv_heads * head_dim * elem + 2 * q.numel() * elem
-    max_err = (run().float() - sdpa(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0].float())
+    max_err = run().float() - sdpa(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0].float()
     return {
         "ms": ms,
         "gb_per_s": nbytes / ms / 1e6,

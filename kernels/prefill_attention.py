@@ -225,8 +225,13 @@ def bench_prefill(
     blocks_per_seq = triton.cdiv(q_len, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (batch, q_len, num_kv_heads, head_dim)
-    k, v = torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    k, v = (
+        torch.randn(shape, device=device, dtype=dtype),
+        torch.randn(shape, device=device, dtype=dtype),
+    )
+    k_cache = torch.zeros(
+        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
+    )
     v_cache = torch.zeros_like(k_cache)
     block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)
     block_tables = block_tables.view(batch, blocks_per_seq)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,31 @@ def pick_weighted(rng: np.random.Generator, mix: Sequence[tuple[int, float]]) ->
     values = [v for v, _ in mix]
     weights = np.array([w for _, w in mix], dtype=np.float64)
     return int(values[int(rng.choice(len(values), p=weights / weights.sum()))])
+
+
+@dataclass(frozen=True)
+class LoadMix:
+    """What a Locust user sends, from ``BATON_LOCUST_*`` env vars (each a :func:`parse_mix`
+    spec): INPUT_LEN (default "128"), OUTPUT_LEN ("64"), PRIORITIES ("0")."""
+
+    input_lens: tuple[tuple[int, float], ...]
+    output_lens: tuple[tuple[int, float], ...]
+    priorities: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> LoadMix:
+        def mix(key: str, default: str) -> tuple[tuple[int, float], ...]:
+            return tuple(parse_mix(env.get(f"BATON_LOCUST_{key}") or default))
+
+        return cls(mix("INPUT_LEN", "128"), mix("OUTPUT_LEN", "64"), mix("PRIORITIES", "0"))
+
+    def sample(self, rng: np.random.Generator) -> tuple[int, int, int]:
+        """(input_len, output_len, priority) of the next request."""
+        return (
+            pick_weighted(rng, self.input_lens),
+            pick_weighted(rng, self.output_lens),
+            pick_weighted(rng, self.priorities),
+        )
 
 
 # --- per-request measurements ----------------------------------------------------------------

@@ -14,7 +14,7 @@ modes): never a request id or anything else unbounded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -63,7 +63,7 @@ class Metrics:
         r = self.registry
 
         def histogram(
-            name: str, doc: str, buckets: Iterable[float], labels: Iterable[str] = ()
+            name: str, doc: str, buckets: Sequence[float], labels: Iterable[str] = ()
         ) -> Histogram:
             return Histogram(PREFIX + name, doc, tuple(labels), registry=r, buckets=buckets)
 
@@ -218,7 +218,9 @@ class _CudaCollector(Collector):
         self._device = torch.device(device)
 
     def describe(self) -> list:
-        return []  # names are fixed, but describing would make register() call collect() early
+        # Reserve no names: register() must not touch the device, and the gpu_ names cannot
+        # collide with the Metrics attributes.
+        return []
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         cuda = self._torch.cuda

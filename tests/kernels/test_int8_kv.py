@@ -1,4 +1,5 @@
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -106,10 +107,11 @@ def test_int8_decode_matches_reference(
     ],
 )
 def test_int8_decode_rejects_bad_arguments(index: int, change, message: str) -> None:
-    args = list(make_int8_case([3, 20], 4, 2, torch.float32, seed=3)[:7])
+    args: list[Any] = list(make_int8_case([3, 20], 4, 2, torch.float32, seed=3)[:7])
     args[index] = change(args[index])
     with pytest.raises(ValueError, match=message):
-        paged_decode_attention_int8(*args, scale=0.1)
+        q, k_q, v_q, k_scale, v_scale, block_tables, lens = args
+        paged_decode_attention_int8(q, k_q, v_q, k_scale, v_scale, block_tables, lens, 0.1)
 
 
 def test_quantize_rejects_bad_arguments() -> None:

@@ -30,12 +30,14 @@ def test_engine_entry_points_run() -> None:
     k_new = torch.randn(2, 2, 32, generator=gen).to(DEVICE)
     v_new = torch.randn(2, 2, 32, generator=gen).to(DEVICE)
     # the last token of each sequence: store first, then attend
-    slots = [block_tables[b, (n - 1) // 16].item() * 16 + (n - 1) % 16 for b, n in enumerate(lens)]
+    slots = [int(block_tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(lens)]
     kernels.store_kv(k_new, v_new, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
     assert torch.equal(k_cache.flatten(0, 1)[slots[1]], k_new[1])
     q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, int32(lens), 0.2)
-    assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, int32(lens), 0.2))
+    assert_close(
+        out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, int32(lens), 0.2)
+    )
     cu = int32([0, 1, 2])
     out = kernels.prefill_attention(q, k_cache, v_cache, cu, int32(lens), block_tables, 0.2)
     ref = prefill_attention_ref(q, k_cache, v_cache, cu, int32(lens), block_tables, 0.2)

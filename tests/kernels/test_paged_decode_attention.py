@@ -1,4 +1,5 @@
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_strided_query_view() -> None:
     assert_close(out, ref)
 
 
-def _args() -> dict[str, torch.Tensor]:
+def _args() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache, block_tables = make_paged_kv([3, 20], 16, 2, 32, torch.float32, gen)
     q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)

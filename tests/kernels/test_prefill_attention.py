@@ -1,4 +1,5 @@
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_sequence_without_new_tokens_in_batch() -> None:
     run_case([(3, 3), (0, 16), (9, 40)], 16, 4, 2, HEAD_DIM, torch.float32, seed=5)
 
 
-def _args() -> dict[str, torch.Tensor]:
+def _args() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(6)
     k_cache, v_cache, block_tables = make_paged_kv([3, 20], 16, 2, 32, torch.float32, gen)
     return {

@@ -1,0 +1,23 @@
+# `make demo` runs the whole system on the built-in tiny model and streams real replies.
+# `make test` runs the test suite (unit, integration against the real RabbitMQ, kernels).
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: setup broker demo test lint bench
+setup:
+	bash scripts/setup.sh
+
+broker:
+	bash scripts/ensure_rabbitmq.sh
+
+demo: setup broker
+	bash scripts/demo.sh
+
+test: setup broker
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+
+bench: setup broker
+	$(PYTHON) -m loadtest.bench --spawn

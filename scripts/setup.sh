@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install Baton and its test/loadtest tools into the current Python (idempotent, fast when done).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+# torch first, pinned to the release this project is tested with: an unpinned resolve would pull
+# several GB of CUDA wheels on a CPU-only machine.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[test,loadtest]"
+# docker-compose validates compose.yaml in the tests (no Docker engine needed).
+if ! command -v docker-compose >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q docker-compose >/dev/null 2>&1 \
+    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1)) \
+    || echo "note: docker-compose not installed; the compose tests will be skipped" >&2
+fi

@@ -1,0 +1,153 @@
+"""Engine-only throughput on the "bench" model, beside Hugging Face ``generate``.
+
+    python -m tests.engine.bench_engine [--threads N] [--batch 64] [--prompt 128] [--steps 64]
+
+Baton: ``batch`` prompts prefilled in forwards of up to 2048 tokens, then ``steps`` decode steps
+of the whole batch (paged KV, continuous-batching code path). HF: ``generate(do_sample=False)``
+on the same model, batch ``--hf-batch`` (equal-length prompts, no padding), its decode rate
+isolated as (time for ``steps`` tokens - time for 1 token). Same torch thread count for both.
+A benchmark, not a test: it prints figures, asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from shared.engine import BlockManager, SamplingParams, Sequence
+from tests.engine.helpers import make_runner, tiny_model_dir
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, float]:
+    runner = make_runner(tiny_model_dir(args.arch, "bench"), num_kv_blocks=args.kv_blocks)
+    bm = BlockManager(runner.num_kv_blocks, runner.block_size)
+    g = torch.Generator().manual_seed(0)
+    vocab = runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
+
+    def new_batch() -> list[Sequence]:
+        return [
+            Sequence(f"r{i}", torch.randint(3, vocab, (args.prompt,), generator=g).tolist(), params)
+            for i in range(args.batch)
+        ]
+
+    # Warm-up (allocator, oneDNN primitive caches) on a throwaway batch.
+    warm = new_batch()[:8]
+    for s in warm:
+        bm.allocate(s)
+    runner.prefill(warm, [s.num_tokens for s in warm])
+    for s in warm:
+        bm.free(s)
+
+    seqs = new_batch()
+    for s in seqs:
+        bm.allocate(s)
+    per_forward = max(1, 2048 // args.prompt)
+    t0 = time.perf_counter()
+    for i in range(0, len(seqs), per_forward):
+        chunk = seqs[i : i + per_forward]
+        for s, tok in zip(chunk, runner.prefill(chunk, [s.num_tokens for s in chunk]), strict=True):
+            assert tok is not None
+            s.num_computed_tokens = s.num_tokens
+            s.append_token(tok)
+    prefill_s = time.perf_counter() - t0
+
+    step_s: list[float] = []
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        for s in seqs:
+            bm.append_slot(s)
+        for s, tok in zip(seqs, runner.decode(seqs), strict=True):
+            s.num_computed_tokens = s.num_tokens
+            s.append_token(tok)
+        step_s.append(time.perf_counter() - t)
+    decode_s = time.perf_counter() - t0
+    return {
+        "prefill_s": prefill_s,
+        "prefill_forward_ms": prefill_s / -(-len(seqs) // per_forward) * 1e3,
+        "decode_s": decode_s,
+        "step_ms_median": statistics.median(step_s) * 1e3,
+        "decode_tok_s": args.batch * args.steps / decode_s,
+        "e2e_tok_s": args.batch * (args.steps + 1) / (prefill_s + decode_s),
+    }
+
+
+def bench_hf(args: argparse.Namespace) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir(args.arch, "bench"), dtype=torch.float32
+    ).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (args.hf_batch, args.prompt), generator=g)
+
+    def run(new_tokens: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+            )
+        assert out.shape[1] == args.prompt + new_tokens
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    first_s = min(run(1) for _ in range(2))
+    total_s = run(args.steps + 1)
+    return {
+        "first_s": first_s,
+        "total_s": total_s,
+        "decode_tok_s": args.hf_batch * args.steps / (total_s - first_s),
+        "e2e_tok_s": args.hf_batch * (args.steps + 1) / total_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3"))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    e = bench_engine(args)
+    print(
+        f"baton engine  bench/{args.arch}  threads={args.threads}  batch={args.batch} "
+        f"prompt={args.prompt} steps={args.steps}"
+    )
+    print(
+        f"  prefill {e['prefill_s'] * 1e3:7.1f} ms total, {e['prefill_forward_ms']:.1f} ms per "
+        f"forward of {min(args.batch, 2048 // args.prompt)}x{args.prompt} tokens"
+    )
+    print(
+        f"  decode  {e['step_ms_median']:7.2f} ms/step median, {e['decode_tok_s']:8.0f} tok/s; "
+        f"end to end {e['e2e_tok_s']:8.0f} tok/s"
+    )
+    if args.skip_hf:
+        return
+    h = bench_hf(args)
+    print(f"hf generate   batch={args.hf_batch}")
+    print(
+        f"  decode {h['decode_tok_s']:8.0f} tok/s; end to end {h['e2e_tok_s']:8.0f} tok/s "
+        f"({h['total_s']:.2f} s for {args.steps + 1} tokens)"
+    )
+    print(
+        f"ratio baton/hf: decode {e['decode_tok_s'] / h['decode_tok_s']:.1f}x, "
+        f"end to end {e['e2e_tok_s'] / h['e2e_tok_s']:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
