@@ -48,9 +48,13 @@ def fresh_vhost(base_url: str = DEFAULT_AMQP_URL, prefix: str = "baton-test") ->
 class LocalSystem:
     """The four services as one ``python -m services up`` child process."""
 
-    def __init__(self, amqp_url: str, env: dict[str, str] | None = None, log_path: Path | None = None):
+    def __init__(
+        self, amqp_url: str, env: dict[str, str] | None = None, log_path: Path | None = None
+    ):
         self.amqp_url = amqp_url
-        self.spill_dir = tempfile.mkdtemp(prefix="baton-spill-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        self.spill_dir = tempfile.mkdtemp(
+            prefix="baton-spill-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        )
         self.env = {
             **os.environ,
             "BATON_AMQP_URL": amqp_url,
@@ -64,8 +68,11 @@ class LocalSystem:
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services", "up"], cwd=REPO_ROOT, env=self.env,
-            stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "services", "up"],
+            cwd=REPO_ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:

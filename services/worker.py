@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,16 @@ class WorkerShell:
         self.pending_aborts: deque[str] = deque()
         self.wake = asyncio.Event()
         self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Publish-and-ack in the background so the next step can start meanwhile."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain_publishes(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def on_control(self, message: AbstractIncomingMessage) -> None:
         try:

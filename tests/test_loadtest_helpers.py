@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from loadtest.workload import (
+    LoadMix,
     RequestResult,
     RequestSpec,
     Slo,
@@ -148,3 +149,15 @@ def test_read_vocab(tmp_path: Path) -> None:
     cfg = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": None}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert read_vocab(tmp_path) == (512, frozenset({1, 2, 3}))
+
+
+def test_load_mix_from_env() -> None:
+    default = LoadMix.from_env({})
+    rng = np.random.default_rng(0)
+    assert default.sample(rng) == (128, 64, 0)
+    mix = LoadMix.from_env(
+        {"BATON_LOCUST_INPUT_LEN": "32:1,512:1", "BATON_LOCUST_PRIORITIES": "0:0.8,5:0.2"}
+    )
+    draws = [mix.sample(rng) for _ in range(1000)]
+    assert {d[0] for d in draws} == {32, 512} and {d[1] for d in draws} == {64}
+    assert sum(d[2] == 5 for d in draws) == pytest.approx(200, abs=50)

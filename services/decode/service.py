@@ -39,15 +39,17 @@ class DecodeService:
             runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = DecodeScheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            runner.model_config.eos_token_ids, config.max_model_len,
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            runner.model_config.eos_token_ids,
+            config.max_model_len,
         )
         self.broker = Broker(config, prefetch_count=config.max_num_seqs + config.decode_max_waiting)
         self.shell = WorkerShell(self.broker, config.max_message_bytes)
         self.work: dict[str, Intake] = {}  # request_id -> its handoff, unacked while it runs
         self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
         self._loop_task: asyncio.Task[None] | None = None
-        self._publishes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.broker.connect()
@@ -59,7 +61,7 @@ class DecodeService:
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        await asyncio.gather(*self._publishes, return_exceptions=True)
+        await self.shell.drain_publishes()
         await self.broker.close()
         await self.metrics.stop()
 
@@ -109,10 +111,13 @@ class DecodeService:
                 continue
             s = msg.sampling
             seq = Sequence(
-                rid, msg.prompt_token_ids + msg.output_token_ids,
+                rid,
+                msg.prompt_token_ids + msg.output_token_ids,
                 SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens, s.ignore_eos),
-                priority=msg.priority, num_prompt_tokens=len(msg.prompt_token_ids),
-                arrival_time=msg.arrival_time, block_size=self.config.block_size,
+                priority=msg.priority,
+                num_prompt_tokens=len(msg.prompt_token_ids),
+                arrival_time=msg.arrival_time,
+                block_size=self.config.block_size,
             )
             self.work[rid] = item
             self.scheduler.add(seq)
@@ -152,7 +157,7 @@ class DecodeService:
             self.scheduler.abort(rid)
             if item.msg.kv is not None:
                 self.transport.discard(item.msg.kv)
-            self._spawn(item.delivery.ack())
+            self.shell.spawn(item.delivery.ack())
 
     async def _run_step(self, step: DecodeStep) -> None:
         started = time.perf_counter()
@@ -164,9 +169,11 @@ class DecodeService:
             for s, t in zip(step.decode, tokens, strict=True)
         ]
         done = [self.work.pop(rid) for rid in reasons]
-        self.metrics.on_decode_step(step, self.scheduler, self.block_manager, time.perf_counter() - started)
+        self.metrics.on_decode_step(
+            step, self.scheduler, self.block_manager, time.perf_counter() - started
+        )
         if events:
-            self._spawn(self._publish(events, done))
+            self.shell.spawn(self._publish(events, done))
 
     def _forward(self, step: DecodeStep) -> list[int]:
         if step.recompute.seqs:
@@ -183,8 +190,3 @@ class DecodeService:
             return
         for item in done:
             await item.delivery.ack()
-
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
-        task = asyncio.create_task(coro)
-        self._publishes.add(task)
-        task.add_done_callback(self._publishes.discard)

@@ -160,7 +160,9 @@ class DetokenizerCore:
             # character) is final now: stream it so the deltas add up to the done text.
             tail = req.detok.take_delta(final=True)
             if tail:
-                out.replies.append((info.reply_to, TokenReply(info.request_id, tail, [], req.next_index)))
+                out.replies.append(
+                    (info.reply_to, TokenReply(info.request_id, tail, [], req.next_index))
+                )
         elif req.batch_index is not None:
             self._flush_one(req, out, final=True)
         n = len(req.detok.token_ids)

@@ -136,6 +136,7 @@ class DetokenizerService:
         for info, reply in out.finished:
             self.metrics.on_request_finished(info, reply)
             log.info(
-                "request finished", request_id=info.request_id, outcome=getattr(
-                    reply, "finish_reason", None) or getattr(reply, "code", None),
+                "request finished",
+                request_id=info.request_id,
+                outcome=getattr(reply, "finish_reason", None) or getattr(reply, "code", None),
             )

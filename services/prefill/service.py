@@ -56,7 +56,6 @@ class PrefillService:
         self.work: dict[str, Intake] = {}  # request_id -> its message, until acked
         self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
         self._loop_task: asyncio.Task[None] | None = None
-        self._publishes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.broker.connect()
@@ -68,7 +67,7 @@ class PrefillService:
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        await asyncio.gather(*self._publishes, return_exceptions=True)
+        await self.shell.drain_publishes()
         await self.broker.close()
         await self.metrics.stop()
 
@@ -119,9 +118,12 @@ class PrefillService:
                 continue
             s = msg.sampling
             seq = Sequence(
-                rid, msg.prompt_token_ids,
+                rid,
+                msg.prompt_token_ids,
                 SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens, s.ignore_eos),
-                priority=msg.priority, arrival_time=msg.arrival_time, block_size=self.config.block_size,
+                priority=msg.priority,
+                arrival_time=msg.arrival_time,
+                block_size=self.config.block_size,
             )
             if not self.scheduler.fits_ever(seq):
                 event = error_event(rid, ErrorCode.PROMPT_TOO_LONG, "prompt exceeds the KV cache")
@@ -136,7 +138,7 @@ class PrefillService:
             rid = self.shell.pending_aborts.popleft()
             if self.scheduler.abort(rid) is not None:
                 item = self.work.pop(rid)
-                self._spawn(item.delivery.ack())
+                self.shell.spawn(item.delivery.ack())
 
     async def _run_batch(self, batch: PrefillBatch) -> None:
         started = time.time()
@@ -148,7 +150,7 @@ class PrefillService:
             self.scheduler.free(seq)  # the KV went to the transport: blocks are reusable
         if results:
             items = [self.work.pop(d.seq.request_id) for d in results]
-            self._spawn(self._publish(results, items, started))
+            self.shell.spawn(self._publish(results, items, started))
 
     def _forward_and_send(self, batch: PrefillBatch) -> list[_Done | None]:
         """Worker thread: the forward, then each completed prompt's KV into the transport."""
@@ -184,9 +186,14 @@ class PrefillService:
             )
             if d.finish_reason is None:
                 handoff = HandoffMsg(
-                    request_id=seq.request_id, prompt_token_ids=msg.prompt_token_ids,
-                    output_token_ids=[d.token], sampling=msg.sampling, kv=d.kv,
-                    priority=msg.priority, arrival_time=msg.arrival_time, deadline=msg.deadline,
+                    request_id=seq.request_id,
+                    prompt_token_ids=msg.prompt_token_ids,
+                    output_token_ids=[d.token],
+                    sampling=msg.sampling,
+                    kv=d.kv,
+                    priority=msg.priority,
+                    arrival_time=msg.arrival_time,
+                    deadline=msg.deadline,
                 )
                 handoffs.append(Outgoing(DECODE_QUEUE, handoff.encode(), priority=msg.priority))
         try:
@@ -200,9 +207,3 @@ class PrefillService:
         for item in items:
             await item.delivery.ack()
         self.metrics.on_handoffs(results)
-
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
-        task = asyncio.create_task(coro)
-        self._publishes.add(task)
-        task.add_done_callback(self._publishes.discard)
-

@@ -32,7 +32,8 @@ class PromptEncoder:
             if bad is not None:
                 raise ProtocolError(
                     ErrorCode.INVALID_REQUEST,
-                    f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})",
+                    f"prompt_token_ids contains {bad}, "
+                    f"outside the vocabulary [0, {self.vocab_size})",
                 )
         elif req.messages is not None:
             self._check_chars(sum(len(c) for _, c in req.messages))
@@ -66,5 +67,6 @@ class PromptEncoder:
         if num_chars > self._max_prompt_chars:
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {num_chars} characters, far over the {self.max_prompt_tokens}-token limit",
+                f"prompt has {num_chars} characters, far over the "
+                f"{self.max_prompt_tokens}-token limit",
             )

@@ -46,7 +46,8 @@ class TokenizerService:
         if not message.reply_to:
             log.warning(
                 "request without reply_to dead-lettered",
-                correlation_id=message.correlation_id, nbytes=len(message.body),
+                correlation_id=message.correlation_id,
+                nbytes=len(message.body),
             )
             await message.reject(requeue=False)
             return
@@ -65,7 +66,11 @@ class TokenizerService:
         await self._forward(message, req, token_ids, arrival)
 
     async def _forward(
-        self, message: AbstractIncomingMessage, req: RequestMsg, token_ids: list[int], arrival: float
+        self,
+        message: AbstractIncomingMessage,
+        req: RequestMsg,
+        token_ids: list[int],
+        arrival: float,
     ) -> None:
         assert message.reply_to is not None
         priority = req.priority if req.priority else (message.priority or 0)
@@ -75,14 +80,25 @@ class TokenizerService:
             sampling = type(sampling)(**{**sampling.to_dict(), "seed": random.getrandbits(63)})
         deadline = arrival + req.timeout_s if req.timeout_s is not None else None
         start = StartInfo(
-            request_id=req.request_id, reply_to=message.reply_to, num_prompt_tokens=len(token_ids),
-            stop=list(req.stop), stream=req.stream, arrival_time=arrival, deadline=deadline,
+            request_id=req.request_id,
+            reply_to=message.reply_to,
+            num_prompt_tokens=len(token_ids),
+            stop=list(req.stop),
+            stream=req.stream,
+            arrival_time=arrival,
+            deadline=deadline,
             max_tokens=sampling.max_tokens,
         )
         work = PrefillMsg(
-            request_id=req.request_id, reply_to=message.reply_to, prompt_token_ids=token_ids,
-            sampling=sampling, stop=list(req.stop), stream=req.stream, priority=priority,
-            arrival_time=arrival, deadline=deadline,
+            request_id=req.request_id,
+            reply_to=message.reply_to,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            stop=list(req.stop),
+            stream=req.stream,
+            priority=priority,
+            arrival_time=arrival,
+            deadline=deadline,
         )
         # Registration first: the detokenizer must know the request before any token can exist.
         await self.broker.publish(Outgoing(DETOK_QUEUE, DetokMsg(starts=[start]).encode()))
@@ -99,8 +115,10 @@ class TokenizerService:
         reply = ErrorReply(request_id=request_id, code=code.value, message=text)
         await self.broker.publish(
             Outgoing(
-                message.reply_to, reply.encode(),
-                correlation_id=message.correlation_id or request_id or None, persistent=False,
+                message.reply_to,
+                reply.encode(),
+                correlation_id=message.correlation_id or request_id or None,
+                persistent=False,
             )
         )
         await message.ack()

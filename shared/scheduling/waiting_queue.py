@@ -21,7 +21,7 @@ class WaitingQueue:
         return request_id in self._ids
 
     def push(self, seq: Sequence, front: bool = False) -> None:
-        """``front`` puts the sequence ahead of its priority class (preempted work resumes first)."""
+        """``front``: ahead of its priority class (preempted work resumes first)."""
         order = -next(self._order) if front else next(self._order)
         heapq.heappush(self._heap, (-seq.priority, order, seq))
         self._ids[seq.request_id] = seq

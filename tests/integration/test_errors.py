@@ -125,8 +125,12 @@ async def test_stop_string_cuts_exactly(client: BatonClient) -> None:
     assert isinstance(base, DoneReply) and len(base.text) > 12
     stop = base.text[8:11]
     cut = base.text.find(stop)
-    replies = [r async for r in client.stream("Tell me something", max_tokens=40,
-                                              ignore_eos=True, stop=[stop])]
+    replies = [
+        r
+        async for r in client.stream(
+            "Tell me something", max_tokens=40, ignore_eos=True, stop=[stop]
+        )
+    ]
     done = replies[-1]
     assert isinstance(done, DoneReply) and done.finish_reason == "stop"
     assert done.text == base.text[:cut]

@@ -41,10 +41,13 @@ def _hf_greedy(prompt_ids: list[int], max_new: int) -> list[int]:
     model_dir = resolve_model_dir(BatonConfig())
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False,
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=0,
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        pad_token_id=0,
     )
-    new = out[0, len(prompt_ids):].tolist()
+    new = out[0, len(prompt_ids) :].tolist()
     eos = set(model.generation_config.eos_token_id or [])  # type: ignore[arg-type]
     for i, t in enumerate(new):  # HF pads after EOS; Baton stops at it
         if t in eos:
@@ -110,31 +113,50 @@ async def test_64_requests_at_once_each_get_exactly_one_terminal(system) -> None
         assert streamed in ([], done.token_ids)
 
 
-async def _publish_all(channel, reply_to: str, rng: random.Random, ids: list[str],  # type: ignore[no-untyped-def]
-                       expected: dict[str, int]) -> None:
+async def _publish_all(
+    channel,
+    reply_to: str,
+    rng: random.Random,
+    ids: list[str],  # type: ignore[no-untyped-def]
+    expected: dict[str, int],
+) -> None:
     msgs = []
     for i in range(64):
         rid = f"many-{i}-{uuid.uuid4().hex[:6]}"
         max_tokens = rng.randint(1, 48)
         kind = i % 3
-        msgs.append(RequestMsg(
-            request_id=rid,
-            sampling=Sampling(max_tokens=max_tokens, ignore_eos=True,
-                              temperature=0.7 if i % 4 == 0 else 0.0, seed=i),
-            prompt="word " * rng.randint(1, 200) if kind == 0 else None,
-            messages=(("user", "hello " * rng.randint(1, 40)),) if kind == 1 else None,
-            prompt_token_ids=tuple(rng.randrange(3, 500) for _ in range(rng.randint(1, 300)))
-            if kind == 2 else None,
-            stream=i % 5 != 0,
-            priority=rng.randint(0, 9),
-        ))
+        msgs.append(
+            RequestMsg(
+                request_id=rid,
+                sampling=Sampling(
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    temperature=0.7 if i % 4 == 0 else 0.0,
+                    seed=i,
+                ),
+                prompt="word " * rng.randint(1, 200) if kind == 0 else None,
+                messages=(("user", "hello " * rng.randint(1, 40)),) if kind == 1 else None,
+                prompt_token_ids=tuple(rng.randrange(3, 500) for _ in range(rng.randint(1, 300)))
+                if kind == 2
+                else None,
+                stream=i % 5 != 0,
+                priority=rng.randint(0, 9),
+            )
+        )
         ids.append(rid)
         expected[rid] = max_tokens
-    await asyncio.gather(*(
-        channel.default_exchange.publish(
-            aio_pika.Message(m.encode(), correlation_id=m.request_id, reply_to=reply_to,
-                             priority=m.priority, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-            routing_key=REQUESTS_QUEUE,
+    await asyncio.gather(
+        *(
+            channel.default_exchange.publish(
+                aio_pika.Message(
+                    m.encode(),
+                    correlation_id=m.request_id,
+                    reply_to=reply_to,
+                    priority=m.priority,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=REQUESTS_QUEUE,
+            )
+            for m in msgs
         )
-        for m in msgs
-    ))
+    )
