@@ -259,6 +259,7 @@ def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
     import matplotlib.pyplot as plt
 
     if len(runs) > 1:  # a sweep: latency percentiles and throughput against the offered rate
+        runs = [r for r in runs if r["rate"] is not None]  # an all-at-once run has no rate
         rates = [r["rate"] for r in runs]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
         for ax, key, bound in ((axes[0], "ttft", slo.ttft_s), (axes[1], "tpot", slo.tpot_s)):
@@ -267,6 +268,9 @@ def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
             ax.axhline(bound, color="red", lw=0.8, ls=":", label="SLO")
             ax.set(xlabel="request rate (req/s)", ylabel=f"{key.upper()} (s)", title=key.upper())
             ax.legend()
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(rates, [f"{r:g}" for r in rates])
         axes[2].plot(rates, [r["summary"]["request_throughput"] for r in runs], "o-", label="thpt")
         axes[2].plot(rates, [r["summary"]["goodput"] for r in runs], "s--", label="goodput")
         axes[2].set(xlabel="request rate (req/s)", ylabel="req/s", title="throughput / goodput")
@@ -274,20 +278,20 @@ def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
     else:  # one run: the distributions, as empirical CDFs with the SLO and p50/p99 marked
         reqs = runs[0]["requests"]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-        panels = (
+        panels: tuple[tuple[str, list[float], float | None], ...] = (
             ("TTFT", [r["ttft"] for r in reqs if r.get("ttft") is not None], slo.ttft_s),
             ("TPOT", [r["tpot"] for r in reqs if r.get("tpot") is not None], slo.tpot_s),
             ("ITL", [x for r in reqs for x in r.get("itl", [])], None),
         )
-        for ax, (name, values, bound) in zip(axes, panels, strict=True):
+        for ax, (name, values, limit) in zip(axes, panels, strict=True):
             xs = sorted(1000 * v for v in values)
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
-            for q, style in ((50, "--"), (99, ":")):
+            for pct, dash in ((50.0, "--"), (99.0, ":")):
                 if xs:
-                    v = percentile(xs, q)
-                    ax.axvline(v, color="gray", lw=0.8, ls=style, label=f"p{q} {v:.1f} ms")
-            if bound is not None:
-                ax.axvline(1000 * bound, color="red", lw=1.0, label=f"SLO {1000 * bound:g} ms")
+                    v = percentile(xs, pct)
+                    ax.axvline(v, color="gray", lw=0.8, ls=dash, label=f"p{pct:g} {v:.1f} ms")
+            if limit is not None:
+                ax.axvline(1000 * limit, color="red", lw=1.0, label=f"SLO {1000 * limit:g} ms")
             ax.set(xlabel=f"{name} (ms)", ylabel="fraction of requests", title=name, ylim=(0, 1.02))
             ax.set_xlim(left=0)
             ax.legend(loc="lower right")

@@ -27,7 +27,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,7 +234,7 @@ class BatonClient:
         request_id: str | None = None,
         stream: bool = True,
         wait_s: float | None = None,
-    ) -> AsyncIterator[TimedReply]:
+    ) -> AsyncGenerator[TimedReply, None]:
         """Token replies, then exactly one terminal (done/error) reply, each with its timing.
 
         Raises ``asyncio.TimeoutError`` if the terminal reply has not arrived within ``wait_s``."""
@@ -255,7 +255,7 @@ class BatonClient:
             async for t in replies:
                 yield t
 
-    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Reply]:
+    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncGenerator[Reply, None]:
         """Like :meth:`stream_timed` (same arguments), without the timestamps."""
         async with aclosing(self.stream_timed(prompt, **kwargs)) as replies:
             async for t in replies:
@@ -349,7 +349,7 @@ class BatonClient:
 
     async def _replies(
         self, request_id: str, pending: _Pending, wait_s: float | None
-    ) -> AsyncIterator[TimedReply]:
+    ) -> AsyncGenerator[TimedReply, None]:
         loop = asyncio.get_running_loop()
         budget = self.default_wait_s if wait_s is None else wait_s
         deadline = loop.time() + budget

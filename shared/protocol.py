@@ -77,7 +77,7 @@ def unpack(body: bytes, max_bytes: int) -> Any:
 
 def _check_version(d: dict[str, Any], kind: str) -> None:
     v = d.get("v")
-    if v != SCHEMA_VERSION:
+    if type(v) is not int or v != SCHEMA_VERSION:  # True == 1 and 1.0 == 1: not versions
         raise ProtocolError(
             ErrorCode.INTERNAL, f"{kind}: schema version {v!r}, this build speaks {SCHEMA_VERSION}"
         )
@@ -305,7 +305,7 @@ class ControlMsg:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"unknown control type {kind!r}")
         if kind != "drain" and not isinstance(rid, str):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} needs a string request_id")
-        return cls(type=kind, request_id=rid)
+        return cls(type=kind, request_id=rid if isinstance(rid, str) else None)
 
 
 # --- replies (client contract) --------------------------------------------------------------
@@ -354,7 +354,8 @@ _REPLY_TYPES: dict[str, Any] = {"token": TokenReply, "done": DoneReply, "error":
 
 def decode_reply(body: bytes, max_bytes: int = 64 << 20) -> Reply:
     d = _map(unpack(body, max_bytes), "reply")
-    cls = _REPLY_TYPES.get(d.get("type"))  # type: ignore[arg-type]
+    kind = d.get("type")
+    cls = _REPLY_TYPES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
     if cls is None:
         raise ProtocolError(ErrorCode.INTERNAL, f"unknown reply type {d.get('type')!r}")
     try:

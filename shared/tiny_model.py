@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -39,7 +39,7 @@ from shared.tiny_tokenizer import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 logger = structlog.get_logger(__name__)
 
@@ -96,7 +96,7 @@ BYTE_ROW_SCALE = 0.6
 def _make_config(p: Preset, arch: str, eos_token_id: int, pad_token_id: int) -> PretrainedConfig:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
@@ -139,7 +139,7 @@ def _init_std(name: str, fan_in: int) -> float:
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, byte_rows: torch.Tensor) -> None:
+def _init_weights(model: PreTrainedModel, seed: int, byte_rows: torch.Tensor) -> None:
     """Overwrite every parameter. ``byte_rows``: bool [vocab], the single-byte tokens."""
     tied = model.config.tie_word_embeddings
     hidden = model.config.hidden_size
@@ -189,16 +189,16 @@ def count_params(p: Preset, arch: str) -> dict[str, int]:
 def build_tiny_model(
     out_dir: Path, preset: str = "tiny", arch: str = "llama", seed: int = DEFAULT_SEED
 ) -> Path:
-    """Build the model into ``out_dir`` (created; existing files are overwritten)."""
+    """Build the model into ``out_dir`` (created; a previous build there is overwritten)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     p = PRESETS[preset]
     out_dir = Path(out_dir)
+    _refuse_foreign(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train_tokenizer(p.vocab_size)
-    eos_id = tokenizer.token_to_id(IM_END)
-    pad_id = tokenizer.token_to_id(ENDOFTEXT)
+    eos_id, pad_id = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
     config = _make_config(p, arch, eos_token_id=eos_id, pad_token_id=pad_id)
     # HF's own init draws from the global RNG; fork it so the caller's stream is untouched.
     with torch.random.fork_rng(devices=[]):
@@ -226,6 +226,13 @@ def build_tiny_model(
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     logger.info("tiny_model_built", path=str(out_dir), preset=preset, arch=arch, params=num_params)
     return out_dir
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise KeyError(token)
+    return token_id
 
 
 def _byte_rows(tokenizer: Tokenizer) -> torch.Tensor:
@@ -268,8 +275,7 @@ def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") 
     out_dir = Path(out_dir)
     if _is_current(out_dir, preset, arch):
         return out_dir
-    if out_dir.exists() and _read_marker(out_dir) is None and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and was not built by shared.tiny_model")
+    _refuse_foreign(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
     try:
@@ -287,6 +293,15 @@ def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") 
         raise RuntimeError(f"could not install tiny model at {out_dir}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _refuse_foreign(model_dir: Path) -> None:
+    """Never overwrite a directory this module did not build (it may be a real model)."""
+    if model_dir.is_dir() and any(model_dir.iterdir()) and _read_marker(model_dir) is None:
+        raise FileExistsError(
+            f"{model_dir} is not empty and has no {MARKER_FILE}: not built by shared.tiny_model"
+            " (or an interrupted build; delete it to rebuild)"
+        )
 
 
 def _make_readable(model_dir: Path) -> None:
@@ -307,14 +322,24 @@ def _move_aside(model_dir: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _default_out(preset: str, arch: str) -> Path:
+    # tiny + llama is the built-in model BatonConfig points at by default.
+    from shared.config import DEFAULT_MODEL_DIR
+
+    name = preset if arch == "llama" else f"{preset}-{arch}"
+    return DEFAULT_MODEL_DIR.parent / name
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build a deterministic tiny HF model.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--out", type=Path, default=None, help="default: models/<preset>-<arch>")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: models/tiny, models/<preset>[-<arch>]"
+    )
     args = parser.parse_args(argv)
-    out = args.out or Path("models") / f"{args.preset}-{args.arch}"
+    out = args.out or _default_out(args.preset, args.arch)
     build_tiny_model(out, preset=args.preset, arch=args.arch, seed=args.seed)
     p = PRESETS[args.preset]
     counts = count_params(p, args.arch)

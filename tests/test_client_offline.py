@@ -57,7 +57,11 @@ class Responder:
     async def start(self) -> None:
         channel = await self.connection.channel()
         self.channel = channel
-        queue = await channel.declare_queue(REQUESTS_QUEUE, durable=True, arguments=WORK_QUEUE_ARGS)
+        queue = await channel.declare_queue(
+            REQUESTS_QUEUE,
+            durable=True,
+            arguments=dict(WORK_QUEUE_ARGS),  # type: ignore[arg-type]
+        )
         await queue.consume(self.on_request, no_ack=True)
 
     async def reply(self, to: str, rid: str, body: bytes) -> None:
@@ -126,7 +130,10 @@ async def test_concurrent_streams_are_routed_by_correlation_id(
         tokens: list[TokenReply] = []
         terminals: list[object] = []
         async for r in client.stream(prompt_token_ids=prompts[rid], request_id=rid, priority=3):
-            (tokens if isinstance(r, TokenReply) else terminals).append(r)
+            if isinstance(r, TokenReply):
+                tokens.append(r)
+            else:
+                terminals.append(r)
         return tokens, terminals
 
     results = await asyncio.gather(*(one(rid) for rid in prompts))

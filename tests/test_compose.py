@@ -153,7 +153,7 @@ def test_gpu_variant(runner: list[str], variant: str) -> None:
         assert service["ipc"] == "host" and service["pid"] == "host", name
         env = _env(service)
         assert env["BATON_DEVICE"] == "cuda"
-        assert env["BATON_KV_TRANSPORT"] == "cuda-ipc"
+        assert env["BATON_KV_TRANSPORT"] == "shm"  # cuda-ipc lands with the GPU transport
     for name in ("rabbitmq", "tokenizer", "detokenizer", "loadtest"):
         assert not _gpu_devices(services[name]), f"{name} must not hold a GPU"
         assert "pid" not in services[name] and "ipc" not in services[name], name

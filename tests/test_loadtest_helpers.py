@@ -52,9 +52,8 @@ def test_tpot_definition() -> None:
 
 
 def test_workload_is_deterministic_and_in_range() -> None:
-    kw = dict(seed=3, range_ratio=0.5, exclude_ids={0, 1, 2})
-    a = make_workload(50, 40, 10, vocab_size=30, **kw)
-    b = make_workload(50, 40, 10, vocab_size=30, **kw)
+    a = make_workload(50, 40, 10, vocab_size=30, seed=3, range_ratio=0.5, exclude_ids={0, 1, 2})
+    b = make_workload(50, 40, 10, vocab_size=30, seed=3, range_ratio=0.5, exclude_ids={0, 1, 2})
     c = make_workload(50, 40, 10, vocab_size=30, seed=4, range_ratio=0.5)
     assert a == b and a != c
     for spec in a:

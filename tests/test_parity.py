@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ class Case:
 class Model:
     arch: str
     path: Path
-    hf: torch.nn.Module
+    hf: Any  # transformers PreTrainedModel
     cases: list[Case]
     expected: dict[str, list[int]]  # case name -> HF greedy tokens
 
@@ -62,8 +63,11 @@ def build_cases(path: Path, vocab_size: int) -> list[Case]:
         return [rng.randrange(3, vocab_size) for _ in range(n)]
 
     def chat(messages: list[dict[str, str]]) -> list[int]:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        out: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding, 4.x a plain list of ids.
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     short_chat = chat([{"role": "user", "content": "Where does the road go after the bridge?"}])
     long_chat = chat(
@@ -97,7 +101,9 @@ def model(request: pytest.FixtureRequest) -> Iterator[Model]:
         path = tiny_model_dir(arch)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         cases = build_cases(path, hf.config.vocab_size)
-        expected = {c.name: hf_greedy(hf, c.prompt, greedy(c.max_tokens, c.ignore_eos)) for c in cases}
+        expected = {
+            c.name: hf_greedy(hf, c.prompt, greedy(c.max_tokens, c.ignore_eos)) for c in cases
+        }
         yield Model(arch, path, hf, cases, expected)
 
 
@@ -141,15 +147,24 @@ def test_prefix_cache_hits_match_hf(model: Model, runner: ModelRunner) -> None:
         for name, prompt in list(cases.items())[1:]:
             engine.add(Sequence(name, prompt, greedy(6)))
         finished = engine.run()
-        expected = {name: model.reference(prompt, 6, ignore_eos=False) for name, prompt in cases.items()}
+        expected = {
+            name: model.reference(prompt, 6, ignore_eos=False) for name, prompt in cases.items()
+        }
     cached = {name: finished[name].num_cached_tokens for name in cases}
-    assert cached == {"first": 0, "shares-2-blocks": 2 * bs, "prefix-plus-one": 2 * bs, "exact-prefix": bs}
+    assert cached == {
+        "first": 0,
+        "shares-2-blocks": 2 * bs,
+        "prefix-plus-one": 2 * bs,
+        "exact-prefix": bs,
+    }
     assert engine.block_manager.num_prefix_hit_tokens == 5 * bs
     for name in cases:
         assert finished[name].output_token_ids == expected[name], name
 
 
-def test_preempted_sequence_recomputes_to_the_same_tokens(model: Model, runner: ModelRunner) -> None:
+def test_preempted_sequence_recomputes_to_the_same_tokens(
+    model: Model, runner: ModelRunner
+) -> None:
     case = next(c for c in model.cases if c.name == "ids-64")
     other = next(c for c in model.cases if c.name == "chat-long")
     engine = MiniEngine(runner)
@@ -162,7 +177,9 @@ def test_preempted_sequence_recomputes_to_the_same_tokens(model: Model, runner: 
             engine.decode_step()
         engine.preempt(victim)  # 85 tokens to recompute: 80 of them are prefix-cache hits
         finished = engine.run()
-    assert victim.num_cached_tokens == (len(case.prompt) + 20) // runner.block_size * runner.block_size
+    assert (
+        victim.num_cached_tokens == (len(case.prompt) + 20) // runner.block_size * runner.block_size
+    )
     assert finished[case.name].output_token_ids == model.expected[case.name]
     assert finished[other.name].output_token_ids == model.expected[other.name]
 

@@ -225,6 +225,8 @@ def test_ensure_refuses_foreign_dir(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileExistsError):
         ensure_tiny_model(tmp_path)
+    with pytest.raises(FileExistsError):
+        build_tiny_model(tmp_path)
     assert (tmp_path / "config.json").read_text() == "{}"
 
 

@@ -49,6 +49,10 @@ class DecodeService:
         self.shell = WorkerShell(self.broker, config.max_message_bytes)
         self.work: dict[str, Intake] = {}  # request_id -> its handoff, unacked while it runs
         self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
+        self.metrics.set_decode_costs(
+            weight_bytes=sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            kv_bytes_per_token=runner.block_bytes // config.block_size,
+        )
         self._loop_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -133,6 +137,7 @@ class DecodeService:
             desc, msg.kv = msg.kv, None  # consumed: a preempted sequence resumes by recompute
             if desc is None:
                 continue
+            t0 = time.perf_counter()
             kv = self.transport.receive(desc)
             if kv is None:
                 log.warning("KV entry gone, recomputing", request_id=seq.request_id)
@@ -141,7 +146,7 @@ class DecodeService:
             num_blocks = kv.shape[2]
             self.runner.write_blocks(seq.block_table[first:num_blocks], kv[:, :, first:])
             seq.num_computed_tokens = desc.num_tokens
-            self.metrics.on_kv_received(desc.nbytes)
+            self.metrics.on_handoff(desc.transport, desc.nbytes, time.perf_counter() - t0)
 
     def _apply_aborts(self, now: float) -> None:
         aborted = list(self.shell.pending_aborts)

@@ -35,6 +35,7 @@ class _Done:
     token: int
     finish_reason: str | None  # set when the request ends at its first token (no handoff)
     kv: KVDescriptor | None
+    send_s: float = 0.0
 
 
 class PrefillService:
@@ -144,7 +145,9 @@ class PrefillService:
         started = time.time()
         done = await asyncio.to_thread(self._forward_and_send, batch)
         finished = self.scheduler.update(batch, [d.token if d else None for d in done])
-        self.metrics.on_prefill_batch(batch, self.block_manager, time.time() - started)
+        self.metrics.on_prefill_batch(
+            batch, self.scheduler.num_waiting, self.block_manager, time.time() - started
+        )
         results = [d for d in done if d is not None]
         for seq in finished:
             self.scheduler.free(seq)  # the KV went to the transport: blocks are reusable
@@ -160,13 +163,15 @@ class PrefillService:
             if token is None:
                 out.append(None)
                 continue
-            desc = None
+            desc, send_s = None, 0.0
             reason = self._finish_reason(seq, token)
             if reason is None:
+                t0 = time.perf_counter()
                 num_blocks = self.block_manager.blocks_for(seq.num_tokens)
                 kv = self.runner.read_blocks(seq.block_table[:num_blocks])
                 desc = self.transport.send(seq.request_id, kv, seq.num_tokens)
-            out.append(_Done(seq, token, reason, desc))
+                send_s = time.perf_counter() - t0
+            out.append(_Done(seq, token, reason, desc, send_s))
         return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -206,4 +211,6 @@ class PrefillService:
             return
         for item in items:
             await item.delivery.ack()
-        self.metrics.on_handoffs(results)
+        for d in results:
+            if d.kv is not None:
+                self.metrics.on_handoff(d.kv.transport, d.kv.nbytes, d.send_s)

@@ -176,15 +176,22 @@ class TritonDecodeMetadata:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     context_lens: torch.Tensor  # int32 [B]
+    max_context_len: int  # host-side bound: no device sync to size the grid
     scale: float
     ops: Any
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:
-        self.ops.store_kv(k, v.contiguous(), kv_layer[0], kv_layer[1], self.slot_mapping)
+        self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
         return self.ops.paged_decode_attention(
-            q, kv_layer[0], kv_layer[1], self.block_tables, self.context_lens, self.scale
+            q,
+            kv_layer[0],
+            kv_layer[1],
+            self.block_tables,
+            self.context_lens,
+            self.scale,
+            max_context_len=self.max_context_len,
         )
 
 
@@ -194,13 +201,14 @@ class TritonPrefillMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [B + 1]
     seq_lens: torch.Tensor  # int32 [B], context length after this chunk
     block_tables: torch.Tensor  # int32 [B, max_blocks]
+    max_seqlen_q: int
     scale: float
     ops: Any
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:
-        self.ops.store_kv(k, v.contiguous(), kv_layer[0], kv_layer[1], self.slot_mapping)
+        self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
         return self.ops.prefill_attention(
             q,
             kv_layer[0],
@@ -209,6 +217,7 @@ class TritonPrefillMetadata:
             self.seq_lens,
             self.block_tables,
             self.scale,
+            max_seqlen_q=self.max_seqlen_q,
         )
 
 
@@ -233,6 +242,7 @@ class TritonAttentionBackend:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
             block_tables=self._tables(block_tables),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            max_context_len=max(context_lens),
             scale=self.scale,
             ops=self.ops,
         )
@@ -252,6 +262,7 @@ class TritonAttentionBackend:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             block_tables=self._tables(block_tables),
+            max_seqlen_q=max(query_lens),
             scale=self.scale,
             ops=self.ops,
         )

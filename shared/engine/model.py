@@ -101,6 +101,8 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    inv_freq: torch.Tensor  # fp32 RoPE frequencies (a non-persistent buffer)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

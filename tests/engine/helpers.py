@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -144,7 +145,7 @@ def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> list[int]:
+def hf_greedy(model: Any, prompt: list[int], params: SamplingParams) -> list[int]:
     """transformers' greedy continuation: stops at the model's EOS ids, or with ``ignore_eos``
     generates past them (eos_token_id=None: nothing is masked, exactly Baton's ignore_eos)."""
     config = copy.deepcopy(model.generation_config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,8 @@ def test_matches_transformers_rope_for_llama3() -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    hf_cfg = LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, rope_parameters=params)
+    sizes: dict[str, Any] = {k: v for k, v in BASE.items() if k != "architectures"}
+    hf_cfg = LlamaConfig(**sizes, rope_parameters=params)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
     ours = ModelConfig.from_dict({**BASE, "rope_parameters": params}).inv_freq()
     assert torch.equal(ours, expected)
@@ -101,7 +103,10 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path: Path) -> None:
     tensors = load_file(src / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     weight_map = {}
     for shard, shard_names in shards.items():
         save_file({n: tensors[n] for n in shard_names}, str(tmp_path / shard))
@@ -110,10 +115,15 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path: Path) -> None:
     for extra in ("config.json", "generation_config.json"):
         (tmp_path / extra).write_bytes((src / extra).read_bytes())
     assert len(safetensors_files(tmp_path)) == 2
-    assert read_checkpoint(tmp_path, torch.float32).keys() == read_checkpoint(src, torch.float32).keys()
+    assert (
+        read_checkpoint(tmp_path, torch.float32).keys()
+        == read_checkpoint(src, torch.float32).keys()
+    )
     _, sharded = load_model(tmp_path, torch.device("cpu"), torch.float32)
     _, single = load_model(src, torch.device("cpu"), torch.float32)
-    for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        sharded.state_dict().items(), single.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 

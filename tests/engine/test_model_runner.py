@@ -37,7 +37,10 @@ def test_kv_cache_sized_from_megabytes() -> None:
 def test_chunked_prefill_samples_only_at_the_end_and_leaves_seqs_alone(runner: ModelRunner) -> None:
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     prompt = list(range(3, 43))
-    whole, chunked = Sequence("w", prompt, SamplingParams()), Sequence("c", prompt, SamplingParams())
+    whole, chunked = (
+        Sequence("w", prompt, SamplingParams()),
+        Sequence("c", prompt, SamplingParams()),
+    )
     bm.allocate(whole)
     bm.allocate(chunked)
     with torch_threads(1):
@@ -77,7 +80,9 @@ def _sample(runner: ModelRunner, seed: int, companions: int = 0) -> list[int]:
     engine = MiniEngine(runner)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=seed, max_tokens=24)
     for i in range(companions):  # other requests in the same batches
-        engine.add(Sequence(f"other{i}", list(range(10 + i, 40 + 3 * i)), SamplingParams(max_tokens=30)))
+        engine.add(
+            Sequence(f"other{i}", list(range(10 + i, 40 + 3 * i)), SamplingParams(max_tokens=30))
+        )
     engine.add(Sequence("s", list(range(100, 120)), params))
     with torch_threads(1):
         return engine.run()["s"].output_token_ids

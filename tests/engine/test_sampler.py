@@ -66,7 +66,9 @@ def test_same_seed_and_position_draw_the_same_token_in_any_batch() -> None:
     sampler = Sampler()
     p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
     alone = sampler(logits[2:3], [p], [17])
-    batched = sampler(logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=9), p, p], [5, 6, 17, 18])
+    batched = sampler(
+        logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=9), p, p], [5, 6, 17, 18]
+    )
     assert batched[2] == alone[0]
     assert batched[0] == int(logits[0].argmax())
 
@@ -79,8 +81,12 @@ def test_draws_follow_the_distribution_and_vary_with_seed_and_position() -> None
     for seed in range(2000):
         counts[sampler(logits, [SamplingParams(temperature=1.0, seed=seed)], [0])[0]] += 1
     assert counts[3] == 0
-    assert [abs(c / 2000 - p) < 0.05 for c, p in zip(counts, probs.tolist(), strict=True)] == [True] * 4
-    positions = {sampler(logits, [SamplingParams(temperature=1.0, seed=5)], [pos])[0] for pos in range(40)}
+    assert [abs(c / 2000 - p) < 0.05 for c, p in zip(counts, probs.tolist(), strict=True)] == [
+        True
+    ] * 4
+    positions = {
+        sampler(logits, [SamplingParams(temperature=1.0, seed=5)], [pos])[0] for pos in range(40)
+    }
     assert len(positions) == 3
 
 

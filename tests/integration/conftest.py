@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -19,9 +20,35 @@ def amqp_url() -> Iterator[str]:
         yield url
 
 
+def _free_port_block(n: int = 4) -> int:
+    """A base port with ``n`` consecutive free ports (one per service in ``services up``)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65535 and all(_is_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def metrics_port() -> int:
+    return _free_port_block()
+
+
 @pytest_asyncio.fixture(scope="session")
-async def system(amqp_url: str) -> AsyncIterator[LocalSystem]:
-    sys_ = LocalSystem(amqp_url, env={"BATON_KV_CACHE_MB": "64", "BATON_METRICS_PORT": "0"})
+async def system(amqp_url: str, metrics_port: int) -> AsyncIterator[LocalSystem]:
+    env = {"BATON_KV_CACHE_MB": "64", "BATON_METRICS_PORT": str(metrics_port)}
+    sys_ = LocalSystem(amqp_url, env=env)
     sys_.start()
     try:
         await sys_.wait_ready()
