@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -23,6 +24,7 @@ from triton.compiler import ASTSource
 from kernels import _checks
 
 HOPPER_SMEM_BYTES = 227 * 1024
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -37,42 +39,66 @@ class Spec:
 
 
 def _decode(dt: str, group: int, head_dim: int, int8: bool, split: bool) -> Spec:
-    from kernels.paged_decode_attention import _paged_decode_kernel
+    from kernels.paged_decode_attention import _config, _paged_decode_kernel
 
+    cfg = _config(TORCH_DTYPES[dt], head_dim)
     kv = "i8" if int8 else dt
     out = "fp32" if split else dt
     return Spec(
         f"decode {dt} group={group} D={head_dim} int8={int8} split={split}",
         _paged_decode_kernel,
         {
-            "q_ptr": dt, "k_cache_ptr": kv, "v_cache_ptr": kv,
-            "k_scale_ptr": "fp32" if int8 else kv, "v_scale_ptr": "fp32" if int8 else kv,
-            "block_tables_ptr": "i32", "context_lens_ptr": "i32",
-            "out_ptr": out, "m_ptr": out, "l_ptr": out,
+            "q_ptr": dt,
+            "k_cache_ptr": kv,
+            "v_cache_ptr": kv,
+            "k_scale_ptr": "fp32" if int8 else kv,
+            "v_scale_ptr": "fp32" if int8 else kv,
+            "block_tables_ptr": "i32",
+            "context_lens_ptr": "i32",
+            "out_ptr": out,
+            "m_ptr": out,
+            "l_ptr": out,
         },  # fmt: skip
         {
-            "GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)),
-            "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_N": 32 if dt == "fp32" else 64,
-            "KV_INT8": int8, "SPLIT_KV": split,
+            "GROUP": group,
+            "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+            "HEAD_DIM": head_dim,
+            "BLOCK_SIZE": 16,
+            "BLOCK_N": cfg["BLOCK_N"],
+            "KV_INT8": int8,
+            "SPLIT_KV": split,
         },  # fmt: skip
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         scalars={"qk_scale": "fp32", "tokens_per_split": "i32"},
     )
 
 
-def _prefill(dt: str, group: int, head_dim: int, block_m: int, block_n: int, warps: int) -> Spec:
-    from kernels.prefill_attention import _prefill_kernel
+def _prefill(dt: str, group: int, head_dim: int) -> Spec:
+    from kernels.prefill_attention import _config, _prefill_kernel
 
+    cfg = _config(TORCH_DTYPES[dt], head_dim)
     return Spec(
-        f"prefill {dt} group={group} D={head_dim} {block_m}x{block_n}",
+        f"prefill {dt} group={group} D={head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}",
         _prefill_kernel,
         {
-            "q_ptr": dt, "k_cache_ptr": dt, "v_cache_ptr": dt, "block_tables_ptr": "i32",
-            "cu_seqlens_q_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dt,
+            "q_ptr": dt,
+            "k_cache_ptr": dt,
+            "v_cache_ptr": dt,
+            "block_tables_ptr": "i32",
+            "cu_seqlens_q_ptr": "i32",
+            "seq_lens_ptr": "i32",
+            "out_ptr": dt,
         },  # fmt: skip
-        {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
-         "BLOCK_N": block_n},  # fmt: skip
-        num_warps=warps,
-        num_stages=3 if dt != "fp32" else 2,
+        {
+            "GROUP": group,
+            "HEAD_DIM": head_dim,
+            "BLOCK_SIZE": 16,
+            "BLOCK_M": cfg["BLOCK_M"],
+            "BLOCK_N": cfg["BLOCK_N"],
+        },  # fmt: skip
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         scalars={"qk_scale": "fp32"},
     )
 
@@ -88,7 +114,7 @@ def specs(quick: bool) -> list[Spec]:
         Spec("split-KV reduce", _split_kv_reduce_kernel,
              {"acc_ptr": "fp32", "m_ptr": "fp32", "l_ptr": "fp32", "out_ptr": "bf16"},
              {"NUM_SPLITS": 33, "SPLITS_PAD": 64, "HEAD_DIM": 128}),
-        _prefill("bf16", 4, 128, 128, 64, 8),
+        _prefill("bf16", 4, 128),
         Spec("store_kv bf16", _store_kv_kernel,
              {"k_ptr": "bf16", "v_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16",
               "slot_mapping_ptr": "i64"},
@@ -104,9 +130,9 @@ def specs(quick: bool) -> list[Spec]:
         out += [
             _decode("fp16", 1, 64, int8=False, split=True),
             _decode("fp32", 2, 32, int8=False, split=False),
-            _prefill("fp16", 1, 64, 128, 64, 4),
-            _prefill("fp32", 2, 128, 32, 32, 4),
-            _prefill("bf16", 4, 256, 64, 32, 4),
+            _prefill("fp16", 1, 64),
+            _prefill("fp32", 2, 128),
+            _prefill("bf16", 4, 256),
         ]
     return out
 

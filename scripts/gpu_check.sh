@@ -29,8 +29,13 @@ print('triton', triton.__version__)"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# Kernel compilation dominates the test time; spread it over processes when xdist is there.
+parallel=()
+if "$PY" -c "import xdist" 2>/dev/null; then
+    parallel=(-n 6)
+fi
 start=$(date +%s)
-timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
+timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
     --junitxml="$OUT/pytest.xml" --durations=10 2>&1 | tee "$OUT/pytest.log"
 test_rc=${PIPESTATUS[0]}
 echo "pytest exit $test_rc after $(($(date +%s) - start)) s"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from shared.client import BatonClient, BatonUnavailable, Completion, default_amqp_url
+from shared.logging import configure_logging
 from shared.protocol import DoneReply, ErrorReply, TokenReply
 
 # --- one prompt -----------------------------------------------------------------------------
@@ -65,7 +66,8 @@ async def run_one(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 out.write(t.reply.text)
                 out.flush()
         assert c is not None
-        out.write("\n")
+        if c.token_ids or c.text:
+            out.write("\n")
         if c.error is not None:
             print(f"error: {c.error.code}: {c.error.message}", file=err)
             return 1
@@ -240,8 +242,10 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("warning", "console")  # stdout carries the completions only
     try:
-        return asyncio.run(amain(parse_args(argv)))
+        return asyncio.run(amain(args))
     except KeyboardInterrupt:
         return 130
 

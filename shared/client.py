@@ -30,7 +30,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import aio_pika
 import structlog
@@ -56,6 +56,9 @@ from shared.protocol import (
     decode_reply,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
     "BatonClient",
     "BatonUnavailable",
@@ -63,6 +66,7 @@ __all__ = [
     "TimedReply",
     "Completion",
     "Terminal",
+    "RequestOptions",
     "default_amqp_url",
 ]
 
@@ -82,6 +86,25 @@ class BatonUnavailable(ConnectionError):
 
 class BatonConnectionLost(ConnectionError):
     """The broker connection dropped while a request was in flight; its replies are lost."""
+
+
+class RequestOptions(TypedDict, total=False):
+    """Keyword arguments of :meth:`BatonClient.stream_timed` (and stream/generate/complete)."""
+
+    messages: Sequence[dict[str, str]] | None
+    prompt_token_ids: Sequence[int] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: Sequence[str] | None
+    ignore_eos: bool
+    priority: int | None
+    timeout_s: float | None
+    request_id: str | None
+    stream: bool
+    wait_s: float | None
 
 
 @dataclass(frozen=True)
@@ -255,13 +278,17 @@ class BatonClient:
             async for t in replies:
                 yield t
 
-    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncGenerator[Reply, None]:
+    async def stream(
+        self, prompt: str | None = None, **kwargs: Unpack[RequestOptions]
+    ) -> AsyncGenerator[Reply, None]:
         """Like :meth:`stream_timed` (same arguments), without the timestamps."""
         async with aclosing(self.stream_timed(prompt, **kwargs)) as replies:
             async for t in replies:
                 yield t.reply
 
-    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Terminal:
+    async def generate(
+        self, prompt: str | None = None, **kwargs: Unpack[RequestOptions]
+    ) -> Terminal:
         """The terminal reply only (``stream=False`` unless given). An error reply is returned,
         not raised: inspect ``.type`` / use :class:`Completion`."""
         kwargs.setdefault("stream", False)
@@ -271,7 +298,9 @@ class BatonClient:
                     return t.reply
         raise AssertionError("unreachable: the reply iterator ends on a terminal reply")
 
-    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+    async def complete(
+        self, prompt: str | None = None, **kwargs: Unpack[RequestOptions]
+    ) -> Completion:
         """Stream a request and fold it into a :class:`Completion` (client-side TTFT/ITL/TPOT)."""
         completion: Completion | None = None
         async for t in self.stream_timed(prompt, **kwargs):

@@ -67,10 +67,11 @@ class DetokenizerCore:
             return  # duplicate registration (redelivered)
         req = _Request(info, IncrementalDetokenizer(self._decode, info.stop))
         self._active[rid] = req
+        orphans = self._orphans.pop(rid, [])  # taken either way: a cancel makes them moot
         if self._cancelled_early.pop(rid, None) is not None:
             self._finish(req, "cancelled", now, out)
             return
-        for _, ev in self._orphans.pop(rid, []):
+        for _, ev in orphans:
             self._apply(req, ev, now, out)
 
     def event(self, ev: TokenEvent, now: float, out: Output) -> None:
@@ -119,7 +120,7 @@ class DetokenizerCore:
             if nxt is None:
                 break
             skip = req.next_index - nxt.index  # positions already applied (duplicates)
-            new_ids = nxt.token_ids[skip:]
+            new_ids = nxt.token_ids[skip : skip + req.info.max_tokens - req.next_index]
             if new_ids:
                 self._add_tokens(req, new_ids, now)
             if req.detok.stopped:
@@ -155,6 +156,8 @@ class DetokenizerCore:
             out.aborts.append(info.request_id)
             return
         req.detok.finish()
+        if req.detok.stopped and reason not in ("cancelled", "timeout"):
+            reason = "stop"  # the flush completed a stop string (it ended in a split character)
         if info.stream and req.batch_index is None:
             # Nothing new this batch, but text held back (a stop-string prefix, a split
             # character) is final now: stream it so the deltas add up to the done text.

@@ -42,6 +42,22 @@ def attention(
     return meta.forward(q, k, v, kv_layer)
 
 
+def gather_blocks(kv_layer: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+    """Blocks of both pools as ``[2, n, block_size, Hkv, D]``; ``kv_rows`` indexes the layer
+    viewed as ``2 * num_blocks`` rows (K block b is row b, V block b row num_blocks + b).
+
+    One index_select over whole-block rows: a parallel row memcpy, several times faster on CPU
+    than advanced indexing of the 5-D pool.
+    """
+    num_rows = kv_rows.shape[0]
+    rows = kv_layer.view(-1, kv_layer[0, 0].numel()).index_select(0, kv_rows)
+    return rows.view(2, num_rows // 2, *kv_layer.shape[2:])
+
+
+def block_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    return torch.cat((block_ids, block_ids + num_blocks))
+
+
 def store_kv_torch(
     k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -53,7 +69,9 @@ def store_kv_torch(
 @dataclass
 class TorchDecodeMetadata:
     slot_mapping: torch.Tensor  # int64 [B]
-    block_ids: torch.Tensor  # int64 [B * max_blocks]: block tables padded with block 0, flat
+    kv_rows: (
+        torch.Tensor
+    )  # int64 [2 * B * max_blocks]: block tables (padded with 0), see gather_blocks
     mask: torch.Tensor  # bool [B, 1, 1, max_blocks * block_size]
     num_kv_heads: int
     scale: float
@@ -63,8 +81,7 @@ class TorchDecodeMetadata:
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
         batch, num_heads, head_dim = q.shape
-        # index_select over whole blocks is a row memcpy; advanced indexing is ~7x slower here.
-        kv = kv_layer.index_select(1, self.block_ids).view(2, batch, -1, *kv_layer.shape[3:])
+        kv = gather_blocks(kv_layer, self.kv_rows).view(2, batch, -1, *kv_layer.shape[3:])
         # Grouped-query attention without repeating K/V: each KV head sees its group of query
         # heads as a short query sequence (q head h uses KV head h // group, as in repeat_kv).
         group = num_heads // self.num_kv_heads
@@ -79,9 +96,9 @@ class TorchDecodeMetadata:
 class _PrefillSeq:
     query_start: int
     query_end: int
-    # Only for a sequence with a cached prefix: its blocks and causal-with-offset mask.
-    block_ids: torch.Tensor | None
     context_len: int
+    # Only for a sequence with a cached prefix: its blocks and causal-with-offset mask.
+    kv_rows: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -96,32 +113,49 @@ class TorchPrefillMetadata:
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
         out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
         for s in self.seqs:
-            qs = q[s.query_start : s.query_end].transpose(0, 1)  # [Hq, n, D]
-            if s.block_ids is None:  # whole context is this chunk: plain causal attention
-                ks = k[s.query_start : s.query_end].transpose(0, 1)
-                vs = v[s.query_start : s.query_end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
-                )
+            rows = slice(s.query_start, s.query_end)
+            if s.mask is None:  # the whole context is this chunk: plain causal attention
+                ks, vs = k[rows], v[rows]
             else:
-                kv = kv_layer.index_select(1, s.block_ids).flatten(1, 2)[:, : s.context_len]
-                o = F.scaled_dot_product_attention(
-                    qs,
-                    kv[0].transpose(0, 1),
-                    kv[1].transpose(0, 1),
-                    attn_mask=s.mask,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-            out[s.query_start : s.query_end] = o.transpose(0, 1)
+                kv = gather_blocks(kv_layer, s.kv_rows).flatten(1, 2)[:, : s.context_len]
+                ks, vs = kv[0], kv[1]
+            # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
+            # than its enable_gqa path, which falls back to unfused math on CPU).
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None],
+                _per_query_head(ks, group),
+                _per_query_head(vs, group),
+                attn_mask=s.mask,
+                is_causal=s.mask is None,
+                scale=self.scale,
+            )
+            out[rows] = o[0].transpose(0, 1)
         return out
+
+
+def _per_query_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[n, Hkv, D]`` -> ``[1, Hkv * group, n, D]``, KV head h serving query heads
+    ``h * group .. h * group + group - 1`` (transformers' repeat_kv order)."""
+    n, num_kv_heads, head_dim = x.shape
+    if group > 1:
+        x = x[:, :, None].expand(n, num_kv_heads, group, head_dim).reshape(n, -1, head_dim)
+    return x.transpose(0, 1)[None]
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, block_size: int, num_kv_heads: int, scale: float, device: torch.device):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        scale: float,
+        device: torch.device,
+    ):
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
@@ -137,7 +171,7 @@ class TorchAttentionBackend:
         span = torch.arange(max_blocks * self.block_size, device=dev)
         return TorchDecodeMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            block_ids=torch.tensor(padded, dtype=torch.int64, device=dev).flatten(),
+            kv_rows=block_rows(torch.tensor(padded, device=dev).flatten(), self.num_blocks),
             mask=(span[None, :] < lens[:, None])[:, None, None, :],
             num_kv_heads=self.num_kv_heads,
             scale=self.scale,
@@ -155,14 +189,14 @@ class TorchAttentionBackend:
         start = 0
         for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
             if n == ctx:
-                seqs.append(_PrefillSeq(start, start + n, None, ctx, None))
+                seqs.append(_PrefillSeq(start, start + n, ctx, None, None))
             else:
                 nblk = (ctx + bs - 1) // bs
-                block_ids = torch.tensor(bt[:nblk], dtype=torch.int64, device=dev)
+                kv_rows = block_rows(torch.tensor(bt[:nblk], device=dev), self.num_blocks)
                 # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
                 q_pos = torch.arange(ctx - n, ctx, device=dev)
                 mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-                seqs.append(_PrefillSeq(start, start + n, block_ids, ctx, mask))
+                seqs.append(_PrefillSeq(start, start + n, ctx, kv_rows, mask))
             start += n
         return TorchPrefillMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
@@ -272,7 +306,7 @@ AttentionBackend = TorchAttentionBackend | TritonAttentionBackend
 
 
 def select_backend(
-    device: torch.device, block_size: int, num_kv_heads: int, scale: float
+    device: torch.device, num_blocks: int, block_size: int, num_kv_heads: int, scale: float
 ) -> AttentionBackend:
     """Triton kernels on CUDA when the ``kernels`` package provides them, else pure torch."""
     if device.type == "cuda":
@@ -285,4 +319,4 @@ def select_backend(
             log.warning("kernels package lacks paged attention ops; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    return TorchAttentionBackend(block_size, num_kv_heads, scale, device)
+    return TorchAttentionBackend(num_blocks, block_size, num_kv_heads, scale, device)

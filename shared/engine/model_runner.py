@@ -61,7 +61,7 @@ class ModelRunner:
             device=self.device,
         )
         self.attn_backend = select_backend(
-            self.device, self.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5
+            self.device, self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5
         )
         self.sampler = Sampler()
         log.info(

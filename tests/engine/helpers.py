@@ -3,7 +3,6 @@ drives the engine the way the services do, and the Hugging Face reference."""
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -147,14 +146,19 @@ def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
 
 def hf_greedy(model: Any, prompt: list[int], params: SamplingParams) -> list[int]:
     """transformers' greedy continuation: stops at the model's EOS ids, or with ``ignore_eos``
-    generates past them (eos_token_id=None: nothing is masked, exactly Baton's ignore_eos)."""
-    config = copy.deepcopy(model.generation_config)
-    config.do_sample = False
-    config.max_new_tokens = params.max_tokens
-    config.min_new_tokens = None
-    if params.ignore_eos:
-        config.eos_token_id = None
+    generates past them (``eos_token_id=None``: nothing is masked, exactly Baton's ignore_eos).
+
+    Passed as keyword arguments: a GenerationConfig object holding ``eos_token_id=None`` is
+    merged with the model's defaults by transformers 5, which brings the EOS ids back.
+    """
     ids = torch.tensor([prompt])
+    overrides: dict[str, Any] = {"eos_token_id": None} if params.ignore_eos else {}
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=params.max_tokens,
+            **overrides,
+        )
     return out[0, len(prompt) :].tolist()

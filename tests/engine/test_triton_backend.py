@@ -30,7 +30,7 @@ BS, HKV, HQ, D = 16, 2, 4, 16
 def backends() -> tuple[TorchAttentionBackend, TritonAttentionBackend]:
     scale = D**-0.5
     return (
-        TorchAttentionBackend(BS, HKV, scale, DEVICE),
+        TorchAttentionBackend(12, BS, HKV, scale, DEVICE),
         TritonAttentionBackend(kernels, BS, scale, DEVICE),
     )
 
