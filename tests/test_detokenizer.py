@@ -223,6 +223,16 @@ class Harness:
         assert len(terms) == 1, f"{rid}: {len(terms)} terminal replies"
         return terms[0]
 
+    def done(self, rid: str) -> DoneReply:
+        reply = self.terminal(rid)
+        assert isinstance(reply, DoneReply), reply
+        return reply
+
+    def error(self, rid: str) -> ErrorReply:
+        reply = self.terminal(rid)
+        assert isinstance(reply, ErrorReply), reply
+        return reply
+
     def streamed_text(self, rid: str) -> str:
         return "".join(r.text for r in self.tokens(rid))
 
@@ -230,6 +240,12 @@ class Harness:
         counts = Counter(r.request_id for _, r in self.replies if not isinstance(r, TokenReply))
         assert all(n == 1 for n in counts.values()), counts
         assert [info.request_id for info, _ in self.finished] == list(counts)
+
+
+def only_tokens(out: Output) -> list[tuple[str, TokenReply]]:
+    """The batch's replies, asserted to be token replies (no terminal among them)."""
+    assert all(isinstance(r, TokenReply) for _, r in out.replies), out.replies
+    return [(q, r) for q, r in out.replies if isinstance(r, TokenReply)]
 
 
 def info(rid: str, **kw: Any) -> StartInfo:
@@ -264,8 +280,7 @@ def test_in_order_stream_one_reply_per_flush(h: Harness, ids: list[int], decode:
         toks = [r for _, r in out.replies if isinstance(r, TokenReply)]
         assert len(toks) <= 1 and all(r.index == i and r.token_ids == [t] for r in toks)
         assert all(q == "q-a" for q, _ in out.replies)
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply)
+    done = h.done("a")
     assert done.finish_reason == "stop" and done.text == MULTIBYTE == decode(ids)
     assert done.token_ids == ids
     assert done.usage == {"prompt_tokens": 5, "completion_tokens": len(ids)}
@@ -289,7 +304,7 @@ def test_one_reply_per_request_per_flush_with_many_requests(h: Harness, ids: lis
     out = h.step(T0 + 2, events=[ev("c", 1, ids[1:2])])
     by_rid = Counter(r.request_id for r in (x for _, x in h.replies))
     assert by_rid == {"a": 1, "b": 1, "c": 2}
-    assert [(q, r.index) for q, r in out.replies] == [("q-c", 1)]
+    assert [(q, r.index) for q, r in only_tokens(out)] == [("q-c", 1)]
     assert h.tokens("b")[0].token_ids == ids[:2]
 
 
@@ -304,8 +319,8 @@ def test_out_of_order_events_applied_in_position_order(
     assert order[0] != 0
     for k, i in enumerate(order):
         h.step(T0 + 1 + k, events=[events[i]])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.token_ids == ids and done.text == decode(ids)
+    done = h.done("a")
+    assert done.token_ids == ids and done.text == decode(ids)
     assert h.streamed_text("a") == done.text
     assert h.tokens("a")[0].index == 0
     h.assert_one_terminal_each()
@@ -317,7 +332,7 @@ def test_gap_waits_for_the_missing_event(h: Harness, ids: list[int]) -> None:
     out = h.step(T0 + 2, events=[ev("a", 3, ids[3:4]), ev("a", 4, ids[4:5], "stop")])
     assert out.replies == []  # position 2 is missing
     h.step(T0 + 3, events=[ev("a", 2, ids[2:3])])
-    assert h.terminal("a").token_ids == ids[:5]  # type: ignore[union-attr]
+    assert h.done("a").token_ids == ids[:5]
 
 
 def test_duplicate_and_overlapping_events_are_dropped(h: Harness, ids: list[int]) -> None:
@@ -327,8 +342,8 @@ def test_duplicate_and_overlapping_events_are_dropped(h: Harness, ids: list[int]
     h.step(T0 + 3, events=[ev("a", 1, ids[1:5])])  # overlaps 1..2, new 3..4
     h.step(T0 + 4, events=[ev("a", 2, ids[2:4]), ev("a", 0, ids[:1])])  # all stale
     h.step(T0 + 5, events=[ev("a", 0, ids[:6], "length")])  # a replay from the start
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.token_ids == ids[:6]
+    done = h.done("a")
+    assert done.token_ids == ids[:6]
     assert done.finish_reason == "length"
     assert [(r.index, r.token_ids) for r in h.tokens("a")] == [
         (0, ids[:3]),
@@ -341,9 +356,9 @@ def test_events_before_start_are_buffered_then_applied(h: Harness, ids: list[int
     out = h.step(T0 + 1, events=[ev("a", 1, ids[1:2]), ev("a", 0, ids[:1])])
     assert out.replies == [] and h.core.num_active == 0
     out = h.step(T0 + 2, starts=[info("a", max_tokens=100)])
-    assert [(r.index, r.token_ids) for _, r in out.replies] == [(0, ids[:2])]
+    assert [(r.index, r.token_ids) for _, r in only_tokens(out)] == [(0, ids[:2])]
     h.step(T0 + 3, events=[ev("a", 2, ids[2:3], "stop")])
-    assert h.terminal("a").token_ids == ids[:3]  # type: ignore[union-attr]
+    assert h.done("a").token_ids == ids[:3]
 
 
 def test_orphan_events_are_dropped_after_their_ttl(h: Harness, ids: list[int]) -> None:
@@ -356,8 +371,8 @@ def test_orphan_events_are_dropped_after_their_ttl(h: Harness, ids: list[int]) -
 def test_orphan_finish_event_finishes_at_start(h: Harness, ids: list[int]) -> None:
     h.step(T0, events=[ev("a", 0, ids[:2], "stop")])
     h.step(T0 + 1, starts=[info("a")])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "stop"
+    done = h.done("a")
+    assert done.finish_reason == "stop"
     assert done.token_ids == ids[:2] and h.core.num_active == 0
 
 
@@ -366,7 +381,7 @@ def test_duplicate_start_is_ignored(h: Harness, ids: list[int]) -> None:
     h.step(T0 + 1, events=[ev("a", 0, ids[:2])])
     h.step(T0 + 2, starts=[info("a", max_tokens=100)])  # redelivered: progress kept
     h.step(T0 + 3, events=[ev("a", 2, ids[2:3], "stop")])
-    assert h.terminal("a").token_ids == ids[:3]  # type: ignore[union-attr]
+    assert h.done("a").token_ids == ids[:3]
     h.step(T0 + 4, starts=[info("a")])  # after finish: not a new request
     assert h.core.num_active == 0
     h.assert_one_terminal_each()
@@ -377,8 +392,8 @@ def test_max_tokens_reached_is_length(h: Harness, ids: list[int]) -> None:
     h.step(T0 + 1, events=[ev("a", 0, ids[:2])])
     assert h.core.num_active == 1
     h.step(T0 + 2, events=[ev("a", 2, ids[2:3])])  # no finish_reason: the limit decides
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "length"
+    done = h.done("a")
+    assert done.finish_reason == "length"
     assert done.usage["completion_tokens"] == 3 and h.aborts == []
 
 
@@ -386,8 +401,8 @@ def test_an_event_never_takes_a_request_past_max_tokens(h: Harness, ids: list[in
     h.step(T0, starts=[info("a", max_tokens=3)])
     h.step(T0 + 1, events=[ev("a", 0, ids[:1])])
     h.step(T0 + 2, events=[ev("a", 1, ids[1:6])])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "length"
+    done = h.done("a")
+    assert done.finish_reason == "length"
     assert done.token_ids == ids[:3] and done.usage["completion_tokens"] == 3
     assert h.streamed_text("a") == done.text
     assert [r.token_ids for r in h.tokens("a")] == [ids[:1], ids[1:3]]
@@ -396,16 +411,16 @@ def test_an_event_never_takes_a_request_past_max_tokens(h: Harness, ids: list[in
 def test_finish_reason_comes_from_the_event(h: Harness, ids: list[int]) -> None:
     h.step(T0, starts=[info("a"), info("b")])
     h.step(T0 + 1, events=[ev("a", 0, ids[:1], "stop"), ev("b", 0, ids[:1], "length")])
-    assert h.terminal("a").finish_reason == "stop"  # type: ignore[union-attr]
-    assert h.terminal("b").finish_reason == "length"  # type: ignore[union-attr]
+    assert h.done("a").finish_reason == "stop"
+    assert h.done("b").finish_reason == "length"
 
 
 def test_empty_terminal_event(h: Harness, ids: list[int]) -> None:
     h.step(T0, starts=[info("a")])
     h.step(T0 + 1, events=[ev("a", 0, ids[:2])])
     h.step(T0 + 2, events=[ev("a", 2, [], "stop")])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.token_ids == ids[:2]
+    done = h.done("a")
+    assert done.token_ids == ids[:2]
 
 
 def test_stop_string_ends_the_request_and_aborts_workers(
@@ -418,8 +433,8 @@ def test_stop_string_ends_the_request_and_aborts_workers(
         h.step(T0 + 1 + i, events=[ev("a", i, ids[i : i + 1])])
         expected = cut_at(STORY, "END")
         assert expected.startswith(h.streamed_text("a"))
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "stop"
+    done = h.done("a")
+    assert done.finish_reason == "stop"
     assert done.text == cut_at(STORY, "END") == h.streamed_text("a")
     assert len(done.token_ids) <= cut + 3  # stopped within the stop string's tokens
     assert h.aborts == ["a"]
@@ -430,9 +445,9 @@ def test_stop_string_in_a_single_event(h: Harness, encode: Any) -> None:
     ids = encode(STORY)
     h.step(T0, starts=[info("a", stop=["river"], max_tokens=100)])
     h.step(T0 + 1, events=[ev("a", 0, ids)])
-    done = h.terminal("a")
-    assert done.text == "The " == h.streamed_text("a")  # type: ignore[union-attr]
-    assert done.finish_reason == "stop" and h.aborts == ["a"]  # type: ignore[union-attr]
+    done = h.done("a")
+    assert done.text == "The " == h.streamed_text("a")
+    assert done.finish_reason == "stop" and h.aborts == ["a"]
 
 
 def test_stop_completed_by_the_final_flush_is_a_stop(h: Harness, encode: Any) -> None:
@@ -441,8 +456,7 @@ def test_stop_completed_by_the_final_flush_is_a_stop(h: Harness, encode: Any) ->
     ids = encode("x END🙂")[:-1]
     h.step(T0, starts=[info("a", stop=["END"], max_tokens=len(ids))])
     h.step(T0 + 1, events=[ev("a", 0, ids)])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply)
+    done = h.done("a")
     assert (done.finish_reason, done.text, h.streamed_text("a")) == ("stop", "x ", "x ")
 
 
@@ -454,8 +468,7 @@ def test_held_back_stop_prefix_is_streamed_at_finish(h: Harness, encode: Any) ->
     # the last len("ENDX") - 1 characters are held back: they may start "ENDX"
     assert h.streamed_text("a") == "abc E"[:-3]
     h.step(T0 + 10, events=[ev("a", len(ids) - 1, ids[-1:])])  # max_tokens reached
-    done = h.terminal("a")
-    assert done.text == "abc EN" == h.streamed_text("a")  # type: ignore[union-attr]
+    assert h.done("a").text == "abc EN" == h.streamed_text("a")
 
 
 def test_cancel_releases_held_back_text_in_a_tail_reply(h: Harness, encode: Any) -> None:
@@ -466,8 +479,8 @@ def test_cancel_releases_held_back_text_in_a_tail_reply(h: Harness, encode: Any)
     out = h.step(T0 + 2, cancels=["a"])
     tail = [r for _, r in out.replies if isinstance(r, TokenReply)]
     assert [(r.text, r.token_ids, r.index) for r in tail] == [(" EN", [], len(ids))]
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "cancelled"
+    done = h.done("a")
+    assert done.finish_reason == "cancelled"
     assert done.text == "abc EN" == h.streamed_text("a")
 
 
@@ -477,14 +490,14 @@ def test_non_stream_requests_get_only_the_done(h: Harness, ids: list[int], decod
         h.step(T0 + 1 + i, events=[ev("a", i, [t], "stop" if i == len(ids) - 1 else None)])
     assert h.tokens("a") == []
     assert [type(r) for _, r in h.replies] == [DoneReply]
-    assert h.terminal("a").text == decode(ids)  # type: ignore[union-attr]
+    assert h.done("a").text == decode(ids)
 
 
 def test_non_stream_stop_string(h: Harness, encode: Any) -> None:
     h.step(T0, starts=[info("a", stream=False, stop=["END"], max_tokens=100)])
     h.step(T0 + 1, events=[ev("a", 0, encode(STORY))])
     assert [type(r) for _, r in h.replies] == [DoneReply]
-    assert h.terminal("a").text == cut_at(STORY, "END") and h.aborts == ["a"]  # type: ignore[union-attr]
+    assert h.done("a").text == cut_at(STORY, "END") and h.aborts == ["a"]
 
 
 def test_cancel_before_start_is_answered_when_start_arrives(h: Harness, ids: list[int]) -> None:
@@ -492,8 +505,8 @@ def test_cancel_before_start_is_answered_when_start_arrives(h: Harness, ids: lis
     assert out.replies == [] and out.aborts == []
     h.step(T0 + 2, events=[ev("a", 0, ids[:1])])  # an orphan event: never applied
     out = h.step(T0 + 3, starts=[info("a")])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "cancelled"
+    done = h.done("a")
+    assert done.finish_reason == "cancelled"
     assert done.token_ids == [] and done.text == "" and h.aborts == ["a"]
     assert h.tokens("a") == []
     h.step(T0 + 4, events=[ev("a", 1, ids[1:2], "stop")])
@@ -508,8 +521,8 @@ def test_cancel_of_an_active_request(h: Harness, ids: list[int], decode: Decode)
     h.step(T0, starts=[info("a", max_tokens=100)])
     h.step(T0 + 1, events=[ev("a", 0, ids[:4])])
     h.step(T0 + 2, events=[ev("a", 4, ids[4:6])], cancels=["a"])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "cancelled"
+    done = h.done("a")
+    assert done.finish_reason == "cancelled"
     assert done.token_ids == ids[:6] and done.text == decode(ids[:6])
     assert h.streamed_text("a") == done.text and h.aborts == ["a"]
     h.step(T0 + 3, events=[ev("a", 6, ids[6:7], "stop")], cancels=["a"])
@@ -531,8 +544,8 @@ def test_deadline_with_tokens_is_done_timeout(h: Harness, ids: list[int]) -> Non
     h.step(T0 + 4.99)
     assert h.core.num_active == 1
     h.step(T0 + 5)
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply) and done.finish_reason == "timeout"
+    done = h.done("a")
+    assert done.finish_reason == "timeout"
     assert done.token_ids == ids[:3] and h.aborts == ["a"]
     assert done.timing["e2e_s"] == pytest.approx(5.0)
 
@@ -540,8 +553,8 @@ def test_deadline_with_tokens_is_done_timeout(h: Harness, ids: list[int]) -> Non
 def test_deadline_without_tokens_is_error_timeout(h: Harness, ids: list[int]) -> None:
     h.step(T0, starts=[info("a", deadline=T0 + 5)])
     h.step(T0 + 6)
-    err = h.terminal("a")
-    assert isinstance(err, ErrorReply) and err.code == "timeout" and err.message
+    err = h.error("a")
+    assert err.code == "timeout" and err.message
     assert h.aborts == ["a"] and h.core.num_active == 0
     h.step(T0 + 7, events=[ev("a", 0, ids[:1], "stop")])  # too late
     h.assert_one_terminal_each()
@@ -564,8 +577,7 @@ def test_error_event_is_an_error_reply(h: Harness, ids: list[int], index: int) -
     h.step(T0 + 1, events=[ev("a", 0, ids[:2])] if index else [])
     bad = ev("a", index, [], error_code="overloaded", error_message="decode is full")
     h.step(T0 + 2, events=[bad])
-    err = h.terminal("a")
-    assert isinstance(err, ErrorReply)
+    err = h.error("a")
     assert (err.code, err.message, err.request_id) == ("overloaded", "decode is full", "a")
     assert [q for q, r in h.replies if r is err] == ["q-a"]
     h.step(T0 + 3, events=[ev("a", 2, ids[2:3], "stop")])
@@ -575,8 +587,8 @@ def test_error_event_is_an_error_reply(h: Harness, ids: list[int], index: int) -
 def test_error_event_without_message(h: Harness) -> None:
     h.step(T0, starts=[info("a")])
     h.step(T0 + 1, events=[ev("a", 0, [], error_code="internal")])
-    err = h.terminal("a")
-    assert isinstance(err, ErrorReply) and err.code == "internal" and err.message
+    err = h.error("a")
+    assert err.code == "internal" and err.message
 
 
 def test_timing_fields(h: Harness, ids: list[int]) -> None:
@@ -585,8 +597,7 @@ def test_timing_fields(h: Harness, ids: list[int]) -> None:
     h.step(T0 + 2.5, events=[ev("a", 1, ids[1:2])])
     h.step(T0 + 3.0, events=[ev("a", 2, ids[2:3])])
     h.step(T0 + 3.5, events=[ev("a", 3, ids[3:4])])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply)
+    done = h.done("a")
     assert done.timing == pytest.approx(
         {"queue_s": 1.0, "ttft_s": 2.0, "tpot_s": 0.5, "e2e_s": 3.5}
     )
@@ -595,8 +606,7 @@ def test_timing_fields(h: Harness, ids: list[int]) -> None:
 def test_timing_without_tokens_is_zero_not_negative(h: Harness) -> None:
     h.step(T0, starts=[info("a", arrival_time=T0 + 3)])  # clocks may disagree
     h.step(T0 + 1, cancels=["a"])
-    done = h.terminal("a")
-    assert isinstance(done, DoneReply)
+    done = h.done("a")
     assert done.timing == {"queue_s": 0.0, "ttft_s": 0.0, "tpot_s": 0.0, "e2e_s": 0.0}
 
 
@@ -617,13 +627,17 @@ def test_many_requests_interleaved_each_answered_once(h: Harness, ids: list[int]
         events = [ev(r, k, ids[k : k + 1]) for r in rids[::-1] if r not in ("r4", "r5")]
         events += [ev(r, k, ids[k : k + 1]) for r in rids[:2]]  # duplicates
         h.step(T0 + 2 + k, events=events)
-    h.step(T0 + 20, starts=[info("r10"), info("r11", max_tokens=6)], events=[ev("r4", 0, [], error_code="x")])
+    h.step(
+        T0 + 20,
+        starts=[info("r10"), info("r11", max_tokens=6)],
+        events=[ev("r4", 0, [], error_code="x")],
+    )
     h.step(T0 + 60)
     for r in rids:
         h.terminal(r)
     h.assert_one_terminal_each()
-    assert h.terminal("r5").code == "timeout"  # type: ignore[union-attr]
-    assert h.terminal("r0").finish_reason == "length"  # type: ignore[union-attr]
-    assert h.terminal("r11").finish_reason == "length"  # type: ignore[union-attr]
-    assert h.terminal("r10").finish_reason == "cancelled"  # type: ignore[union-attr]
+    assert h.error("r5").code == "timeout"
+    assert h.done("r0").finish_reason == "length"
+    assert h.done("r11").finish_reason == "length"
+    assert h.done("r10").finish_reason == "cancelled"
     assert h.core.num_active == 0

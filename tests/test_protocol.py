@@ -305,7 +305,7 @@ def test_drain_ignores_a_non_string_request_id() -> None:
 # --- replies ----------------------------------------------------------------------------------
 
 
-REPLIES = [
+REPLIES: list[Any] = [
     TokenReply("r", "hé", [1, 2], 3),
     DoneReply(
         "r",
@@ -351,7 +351,7 @@ def test_reply_shapes_match_contract() -> None:
         pack({"type": ["done"], "request_id": "r"}),  # unhashable type field
         pack({"type": "token", "request_id": "r"}),  # missing fields
         pack({"type": "error", "request_id": "r", "code": "x", "message": "m", "extra": 1}),
-        pack({"type": "done", 1: 2}),
+        msgpack.packb({"type": "done", 1: 2}),  # a non-string key
         msgpack.packb([1, 2]),
         b"\xc1",
     ],

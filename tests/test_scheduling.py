@@ -84,7 +84,7 @@ def prefill(num_blocks: int = 64, budget: int = 16, max_num_seqs: int = 8) -> Pr
 
 def run_prefill(ps: PrefillScheduler, max_steps: int = 100) -> list[list[tuple[str, int]]]:
     """Schedule and complete until idle; every completed prompt samples token 7."""
-    steps = []
+    steps: list[list[tuple[str, int]]] = []
     for _ in range(max_steps):
         if not ps.has_work():
             return steps
@@ -455,7 +455,7 @@ def test_readmitted_victim_recomputes_in_chunks_then_decodes() -> None:
         st = ds.schedule()
         assert c not in st.decode and st.recompute.num_tokens <= 5
         assert st.decode == [b]
-        recomputed.append(dict(zip(ids_of(st.recompute.seqs), st.recompute.num_new_tokens)))
+        recomputed.append(dict(plan(st.recompute)))
         ds.update(st, [5])
     assert recomputed == [{"c": 5}, {"c": 3}]
     n = c.num_tokens
@@ -557,7 +557,7 @@ def test_recompute_budget_is_shared_in_running_order() -> None:
     plans = []
     for _ in range(4):
         st = ds.schedule()
-        recompute = dict(zip(ids_of(st.recompute.seqs), st.recompute.num_new_tokens))
+        recompute = dict(plan(st.recompute))
         plans.append((recompute, ids_of(st.decode)))
         ds.update(st, [5] * len(st.decode))
     assert plans == [

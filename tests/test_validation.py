@@ -30,7 +30,6 @@ def parse(**fields: Any) -> RequestMsg:
     return parse_request(msgpack.packb(body), CONFIG)
 
 
-
 def refused(code: ErrorCode = ErrorCode.INVALID_REQUEST, **fields: Any) -> str:
     with pytest.raises(ProtocolError) as err:
         parse(**fields)

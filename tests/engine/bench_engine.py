@@ -5,13 +5,15 @@
 Baton: ``batch`` prompts prefilled in forwards of up to 2048 tokens, then ``steps`` decode steps
 of the whole batch (paged KV, continuous-batching code path). HF: ``generate(do_sample=False)``
 on the same model, batch ``--hf-batch`` (equal-length prompts, no padding), its decode rate
-isolated as (time for ``steps`` tokens - time for 1 token). Same torch thread count for both.
+isolated as (time for ``steps`` tokens - time for 1 token). Same torch thread count for both;
+each figure is the best of ``--repeats`` runs.
 A benchmark, not a test: it prints figures, asserts nothing about speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -27,50 +29,48 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
-
-    def new_batch() -> list[Sequence]:
-        return [
-            Sequence(f"r{i}", torch.randint(3, vocab, (args.prompt,), generator=g).tolist(), params)
-            for i in range(args.batch)
-        ]
-
-    # Warm-up (allocator, oneDNN primitive caches) on a throwaway batch.
-    warm = new_batch()[:8]
-    for s in warm:
-        bm.allocate(s)
-    runner.prefill(warm, [s.num_tokens for s in warm])
-    for s in warm:
-        bm.free(s)
-
-    seqs = new_batch()
-    for s in seqs:
-        bm.allocate(s)
     per_forward = max(1, 2048 // args.prompt)
-    t0 = time.perf_counter()
-    for i in range(0, len(seqs), per_forward):
-        chunk = seqs[i : i + per_forward]
-        for s, tok in zip(chunk, runner.prefill(chunk, [s.num_tokens for s in chunk]), strict=True):
-            assert tok is not None
-            s.num_computed_tokens = s.num_tokens
-            s.append_token(tok)
-    prefill_s = time.perf_counter() - t0
 
-    step_s: list[float] = []
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        t = time.perf_counter()
+    def run_once(batch: int, steps: int) -> tuple[float, float, list[float]]:
+        seqs = [
+            Sequence(f"r{i}", torch.randint(3, vocab, (args.prompt,), generator=g).tolist(), params)
+            for i in range(batch)
+        ]
         for s in seqs:
-            bm.append_slot(s)
-        for s, tok in zip(seqs, runner.decode(seqs), strict=True):
-            s.num_computed_tokens = s.num_tokens
-            s.append_token(tok)
-        step_s.append(time.perf_counter() - t)
-    decode_s = time.perf_counter() - t0
+            bm.allocate(s)
+        t0 = time.perf_counter()
+        for i in range(0, len(seqs), per_forward):
+            chunk = seqs[i : i + per_forward]
+            tokens = runner.prefill(chunk, [s.num_tokens for s in chunk])
+            for s, tok in zip(chunk, tokens, strict=True):
+                assert tok is not None
+                s.num_computed_tokens = s.num_tokens
+                s.append_token(tok)
+        prefill_s = time.perf_counter() - t0
+        step_s: list[float] = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            for s in seqs:
+                bm.append_slot(s)
+            for s, tok in zip(seqs, runner.decode(seqs), strict=True):
+                s.num_computed_tokens = s.num_tokens
+                s.append_token(tok)
+            step_s.append(time.perf_counter() - t)
+        for s in seqs:
+            bm.free(s)
+        return prefill_s, sum(step_s), step_s
+
+    run_once(8, 4)  # warm-up: allocator, oneDNN primitive caches
+    # Best of a few repeats: this box is shared, and a neighbour's burst is not our speed.
+    runs = [run_once(args.batch, args.steps) for _ in range(args.repeats)]
+    prefill_s = min(r[0] for r in runs)
+    decode_s = min(r[1] for r in runs)
+    steps = [t for r in runs for t in r[2]]
     return {
         "prefill_s": prefill_s,
-        "prefill_forward_ms": prefill_s / -(-len(seqs) // per_forward) * 1e3,
+        "prefill_forward_ms": prefill_s / -(-args.batch // per_forward) * 1e3,
         "decode_s": decode_s,
-        "step_ms_median": statistics.median(step_s) * 1e3,
+        "step_ms_median": statistics.median(steps) * 1e3,
         "decode_tok_s": args.batch * args.steps / decode_s,
         "e2e_tok_s": args.batch * (args.steps + 1) / (prefill_s + decode_s),
     }
@@ -99,12 +99,15 @@ def bench_hf(args: argparse.Namespace) -> dict[str, float]:
         return time.perf_counter() - t
 
     run(2)  # warm-up
-    first_s = min(run(1) for _ in range(2))
-    total_s = run(args.steps + 1)
+    first_s = min(run(1) for _ in range(args.repeats))
+    total_s = min(run(args.steps + 1) for _ in range(args.repeats))
     return {
         "first_s": first_s,
         "total_s": total_s,
-        "decode_tok_s": args.hf_batch * args.steps / (total_s - first_s),
+        # A neighbour's burst during the 1-token runs can leave no measurable difference.
+        "decode_tok_s": (
+            args.hf_batch * args.steps / (total_s - first_s) if total_s > first_s else math.nan
+        ),
         "e2e_tok_s": args.hf_batch * (args.steps + 1) / total_s,
     }
 
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
