@@ -53,6 +53,10 @@ class BatonConfig:
     max_num_seqs: int = 128
     # Decode stops taking handoffs when its waiting queue holds this many.
     decode_max_waiting: int = 256
+    # --- streaming -----------------------------------------------------------------------------
+    # A streaming request gets at most one ``token`` reply per interval (its first token and its
+    # terminal reply are never delayed). 0 = a reply per decode step.
+    stream_interval_s: float = 0.0
     # --- KV transport -------------------------------------------------------------------------
     kv_transport: str = "shm"  # "shm" | "cuda-ipc"
     spill_dir: str = "/dev/shm/baton"

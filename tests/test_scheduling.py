@@ -425,15 +425,14 @@ def test_preempted_sequence_is_requeued_in_front_of_its_class() -> None:
     assert [ds.waiting.pop().request_id for _ in range(2)] == ["b", "newer"]
 
 
-def test_lone_sequence_that_cannot_grow_preempts_itself() -> None:
-    ds = decode(num_blocks=2, prefix_caching=False)
-    ds.add(handoff("a", 7))  # 8 tokens: 2 blocks, full
+def test_lone_sequence_finishes_at_cache_capacity_instead_of_preempting_itself() -> None:
+    ds = decode(num_blocks=2, prefix_caching=False)  # 8 tokens of cache
+    assert not ds.add(handoff("full", 7))  # 8 tokens: could never take another step
+    assert ds.add(handoff("a", 6))  # 7 tokens
     (a,) = admit_loaded(ds)
-    st, _ = step(ds)
-    assert st.decode == [a]  # 8 tokens still fit
-    st, _ = step(ds)
-    assert not st and a.status is SequenceStatus.PREEMPTED and ds.num_waiting == 1
-    assert ds.block_manager.num_free_blocks == 2
+    st, finished = step(ds)
+    assert st.decode == [a] and finished == [("a", "length")]
+    assert a.status is SequenceStatus.FINISHED and ds.block_manager.num_free_blocks == 2
 
 
 def test_readmitted_victim_recomputes_in_chunks_then_decodes() -> None:
@@ -534,11 +533,6 @@ def test_update_counts_decode_and_recompute() -> None:
     assert st.recompute.num_new_tokens == [3] and st.decode == [ready]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodeScheduler._preempt_for preempts lower-priority victims before knowing that "
-    "preempting all of them frees enough blocks; here it fails anyway and the victim's KV is lost",
-)
 def test_no_preemption_when_it_cannot_make_room() -> None:
     ds = decode(num_blocks=6, prefix_caching=False)
     ds.add(handoff("low", 6, priority=0))  # 2 blocks
@@ -566,3 +560,22 @@ def test_recompute_budget_is_shared_in_running_order() -> None:
         ({"y": 4}, ["x"]),  # x is ready: it decodes while y finishes recomputing
         ({}, ["x", "y"]),
     ]
+
+
+def test_decode_refuses_a_sequence_that_can_never_fit() -> None:
+    ds = decode(num_blocks=4, prefix_caching=False)  # 4 blocks of 4 tokens = 16 tokens at most
+    assert not ds.add(handoff("huge", 16))
+    assert ds.num_waiting == 0
+    assert ds.add(handoff("fits", 10))
+
+
+def test_waiting_queue_remove_then_push_goes_to_the_back() -> None:
+    from shared.scheduling.waiting_queue import WaitingQueue
+
+    q = WaitingQueue()
+    a, b = handoff("a", 3), handoff("b", 3)
+    q.push(a)
+    q.remove("a")
+    q.push(b)
+    q.push(a)
+    assert [q.pop().request_id, q.pop().request_id] == ["b", "a"]

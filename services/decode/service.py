@@ -14,7 +14,7 @@ import time
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.worker import Intake, WorkerShell, requeue
+from services.worker import Intake, WorkerShell, error_event, requeue
 from shared.broker import DECODE_QUEUE, Broker
 from shared.config import BatonConfig
 from shared.engine.block_manager import BlockManager
@@ -23,6 +23,7 @@ from shared.engine.sequence import SamplingParams, Sequence
 from shared.kv_transport import KVTransport
 from shared.metrics_glue import ServiceMetrics
 from shared.protocol import HandoffMsg, ProtocolError, TokenEvent
+from shared.protocol_errors import ErrorCode
 from shared.scheduling import DecodeScheduler, DecodeStep
 
 log = structlog.get_logger(__name__)
@@ -123,8 +124,12 @@ class DecodeService:
                 arrival_time=msg.arrival_time,
                 block_size=self.config.block_size,
             )
+            if not self.scheduler.add(seq):
+                event = error_event(rid, ErrorCode.PROMPT_TOO_LONG, "sequence exceeds the KV cache")
+                await self.shell.publish_events([event])
+                await item.delivery.ack()
+                continue
             self.work[rid] = item
-            self.scheduler.add(seq)
 
     def _load_kv(self, admitted: list[Sequence]) -> None:
         """Worker thread: copy each admitted sequence's KV from the transport into its blocks.

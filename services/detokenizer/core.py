@@ -38,6 +38,7 @@ class _Request:
     # tokens applied since the last flush, streamed as one reply per request per batch
     batch_index: int | None = None
     batch_token_ids: list[int] = field(default_factory=list)
+    last_flush_at: float | None = None
 
 
 @dataclass
@@ -48,8 +49,14 @@ class Output:
 
 
 class DetokenizerCore:
-    def __init__(self, decode: Decode, max_finished: int = 200_000) -> None:
+    def __init__(
+        self, decode: Decode, max_finished: int = 200_000, stream_interval_s: float = 0.0
+    ) -> None:
         self._decode = decode
+        # Streamed tokens of a request are coalesced into one reply per interval (the first
+        # token and the terminal reply are never held back): the broker's message rate, not
+        # the model, is the limit on small machines. 0 = one reply per batch.
+        self.stream_interval_s = stream_interval_s
         self._active: dict[str, _Request] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._max_finished = max_finished
@@ -101,11 +108,22 @@ class DetokenizerCore:
             log.warning("dropping events of an unknown request", request_id=rid)
             del self._orphans[rid]
 
-    def flush(self, out: Output) -> None:
-        """End of a batch: one token reply per streaming request that got tokens."""
+    def flush(self, out: Output, now: float | None = None) -> None:
+        """End of a batch: a token reply per streaming request that got tokens (and, given
+        ``now``, whose stream interval has passed)."""
         for req in self._active.values():
-            if req.batch_index is not None:
+            if req.batch_index is None:
+                continue
+            if (
+                now is None
+                or req.last_flush_at is None
+                or now - req.last_flush_at >= self.stream_interval_s
+            ):
+                req.last_flush_at = now
                 self._flush_one(req, out)
+
+    def has_pending_stream(self) -> bool:
+        return any(r.batch_index is not None for r in self._active.values())
 
     # --- internals ------------------------------------------------------------------------------
     def _apply(self, req: _Request, ev: TokenEvent, now: float, out: Output) -> None:

@@ -42,7 +42,9 @@ class DetokenizerService:
 
     def __init__(self, config: BatonConfig, model_dir: Path) -> None:
         self.config = config
-        self.core = DetokenizerCore(make_decoder(model_dir))
+        self.core = DetokenizerCore(
+            make_decoder(model_dir), stream_interval_s=config.stream_interval_s
+        )
         self.broker = Broker(config, prefetch_count=512)
         self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
         self._inbox: deque[AbstractIncomingMessage] = deque()
@@ -79,8 +81,11 @@ class DetokenizerService:
 
     async def _loop(self) -> None:
         while True:
+            wait_s = SWEEP_INTERVAL_S
+            if self.core.has_pending_stream():
+                wait_s = min(wait_s, max(self.config.stream_interval_s / 2, 0.001))
             try:
-                await asyncio.wait_for(self._wake.wait(), SWEEP_INTERVAL_S)
+                await asyncio.wait_for(self._wake.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -113,7 +118,7 @@ class DetokenizerService:
         while self._cancels:
             self.core.cancel(self._cancels.popleft(), now, out)
         self.core.expire(now, out)
-        self.core.flush(out)
+        self.core.flush(out, now)
         await self._send(out, deliveries)
 
     async def _send(self, out: Output, deliveries: list[AbstractIncomingMessage]) -> None:

@@ -47,7 +47,10 @@ class DecodeScheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len = max_model_len
+        # A sequence alone must always fit: it finishes ("length") before outgrowing the cache.
+        self.max_seq_tokens = min(
+            max_model_len, block_manager.num_blocks * block_manager.block_size
+        )
         self.waiting = WaitingQueue()
         self.running: dict[str, Sequence] = {}
         self.num_preemptions = 0
@@ -66,9 +69,13 @@ class DecodeScheduler:
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> bool:
+        """Queue a sequence; False (not queued) if it could never fit in the cache."""
+        if seq.num_tokens >= self.max_seq_tokens:
+            return False
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
+        return True
 
     # --- admission ------------------------------------------------------------------------------
     def admit(self) -> list[Sequence]:
@@ -91,8 +98,15 @@ class DecodeScheduler:
         return admitted
 
     def _preempt_for(self, seq: Sequence) -> bool:
-        """Preempt strictly lower-priority running sequences until ``seq`` fits."""
-        while not self.block_manager.can_allocate(seq):
+        """Preempt strictly lower-priority running sequences until ``seq`` fits — but only if
+        preempting all of them would make room (never throw away KV for nothing)."""
+        bm = self.block_manager
+        lower = [s for s in self.running.values() if s.priority < seq.priority]
+        # Blocks only a victim references come back on preemption; shared ones may not.
+        freeable = sum(1 for s in lower for b in s.block_table if bm.ref_count(b) == 1)
+        if bm.num_free_blocks + freeable < bm.blocks_for(seq.num_tokens):
+            return False
+        while not bm.can_allocate(seq):
             victim = self._victim()
             if victim is None or victim.priority >= seq.priority:
                 return False
@@ -149,7 +163,10 @@ class DecodeScheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.eos_token_ids and not seq.sampling.ignore_eos:
             return "stop"
-        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (
+            seq.num_output_tokens >= seq.sampling.max_tokens
+            or seq.num_tokens >= self.max_seq_tokens
+        ):
             return "length"
         return None
 

@@ -12,7 +12,9 @@ class WaitingQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Sequence]] = []
         self._order = itertools.count()
-        self._ids: dict[str, Sequence] = {}
+        # request_id -> the order key of its live heap entry; other entries are stale (removed).
+        self._ids: dict[str, int] = {}
+        self._seqs: dict[str, Sequence] = {}
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -24,7 +26,8 @@ class WaitingQueue:
         """``front``: ahead of its priority class (preempted work resumes first)."""
         order = -next(self._order) if front else next(self._order)
         heapq.heappush(self._heap, (-seq.priority, order, seq))
-        self._ids[seq.request_id] = seq
+        self._ids[seq.request_id] = order
+        self._seqs[seq.request_id] = seq
 
     def peek(self) -> Sequence | None:
         self._drop_removed()
@@ -34,16 +37,21 @@ class WaitingQueue:
         self._drop_removed()
         seq = heapq.heappop(self._heap)[2]
         del self._ids[seq.request_id]
+        del self._seqs[seq.request_id]
         return seq
 
     def remove(self, request_id: str) -> Sequence | None:
         """Lazy removal: the heap entry is skipped when it reaches the top."""
-        return self._ids.pop(request_id, None)
+        self._ids.pop(request_id, None)
+        return self._seqs.pop(request_id, None)
 
     def max_priority(self) -> int | None:
         seq = self.peek()
         return None if seq is None else seq.priority
 
     def _drop_removed(self) -> None:
-        while self._heap and self._ids.get(self._heap[0][2].request_id) is not self._heap[0][2]:
+        while self._heap:
+            _, order, seq = self._heap[0]
+            if self._ids.get(seq.request_id) == order:
+                return
             heapq.heappop(self._heap)

@@ -28,7 +28,14 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
-    params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=0,
+        max_tokens=args.steps + 1,
+        ignore_eos=True,
+    )
     per_forward = max(1, 2048 // args.prompt)
 
     def run_once(batch: int, steps: int) -> tuple[float, float, list[float]]:
@@ -121,6 +128,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.0, help="engine only; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
@@ -129,7 +139,7 @@ def main() -> None:
     e = bench_engine(args)
     print(
         f"baton engine  bench/{args.arch}  threads={args.threads}  batch={args.batch} "
-        f"prompt={args.prompt} steps={args.steps}"
+        f"prompt={args.prompt} steps={args.steps} temperature={args.temperature}"
     )
     print(
         f"  prefill {e['prefill_s'] * 1e3:7.1f} ms total, {e['prefill_forward_ms']:.1f} ms per "
