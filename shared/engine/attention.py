@@ -5,20 +5,22 @@ The runner builds one metadata object per forward (tensors, masks, gather indice
 - torch (any device, the CPU path): decode gathers each sequence's blocks into a padded
   ``[B, L, Hkv, D]`` view and runs one masked SDPA; prefill runs one SDPA per sequence, causal
   (``is_causal``) when it has no cached prefix, else with a causal-with-offset mask.
-- triton (CUDA, when ``kernels`` imports): the paged kernels read the pools in place.
+- triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
+  pools in place.
 
 Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see ENGINE.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 import torch
 import torch.nn.functional as F
+
+from shared.engine.attention_triton import TritonAttentionBackend
 
 log = structlog.get_logger(__name__)
 
@@ -69,9 +71,8 @@ def store_kv_torch(
 @dataclass
 class TorchDecodeMetadata:
     slot_mapping: torch.Tensor  # int64 [B]
-    kv_rows: (
-        torch.Tensor
-    )  # int64 [2 * B * max_blocks]: block tables (padded with 0), see gather_blocks
+    # int64 [2 * B * max_blocks]: the block tables padded with block 0, see gather_blocks.
+    kv_rows: torch.Tensor
     mask: torch.Tensor  # bool [B, 1, 1, max_blocks * block_size]
     num_kv_heads: int
     scale: float
@@ -93,13 +94,19 @@ class TorchDecodeMetadata:
 
 
 @dataclass
+class _CachedPrefix:
+    """A chunk that continues a computed prefix attends over the cache, not just itself."""
+
+    kv_rows: torch.Tensor  # its blocks, see gather_blocks
+    context_len: int  # prefix + this chunk
+    mask: torch.Tensor  # bool [n, context_len]: causal, offset by the prefix
+
+
+@dataclass
 class _PrefillSeq:
     query_start: int
     query_end: int
-    context_len: int
-    # Only for a sequence with a cached prefix: its blocks and causal-with-offset mask.
-    kv_rows: torch.Tensor | None
-    mask: torch.Tensor | None
+    prefix: _CachedPrefix | None  # None: the chunk is the whole context (plain causal)
 
 
 @dataclass
@@ -116,19 +123,21 @@ class TorchPrefillMetadata:
         group = q.shape[1] // k.shape[1]
         for s in self.seqs:
             rows = slice(s.query_start, s.query_end)
-            if s.mask is None:  # the whole context is this chunk: plain causal attention
+            mask = None
+            if s.prefix is None:
                 ks, vs = k[rows], v[rows]
             else:
-                kv = gather_blocks(kv_layer, s.kv_rows).flatten(1, 2)[:, : s.context_len]
-                ks, vs = kv[0], kv[1]
+                kv = gather_blocks(kv_layer, s.prefix.kv_rows).flatten(1, 2)
+                ks, vs = kv[0, : s.prefix.context_len], kv[1, : s.prefix.context_len]
+                mask = s.prefix.mask
             # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
             # than its enable_gqa path, which falls back to unfused math on CPU).
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None],
                 _per_query_head(ks, group),
                 _per_query_head(vs, group),
-                attn_mask=s.mask,
-                is_causal=s.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=self.scale,
             )
             out[rows] = o[0].transpose(0, 1)
@@ -189,116 +198,19 @@ class TorchAttentionBackend:
         start = 0
         for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
             if n == ctx:
-                seqs.append(_PrefillSeq(start, start + n, ctx, None, None))
+                seqs.append(_PrefillSeq(start, start + n, None))
             else:
                 nblk = (ctx + bs - 1) // bs
                 kv_rows = block_rows(torch.tensor(bt[:nblk], device=dev), self.num_blocks)
                 # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
                 q_pos = torch.arange(ctx - n, ctx, device=dev)
                 mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-                seqs.append(_PrefillSeq(start, start + n, ctx, kv_rows, mask))
+                seqs.append(_PrefillSeq(start, start + n, _CachedPrefix(kv_rows, ctx, mask)))
             start += n
         return TorchPrefillMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             seqs=seqs,
             scale=self.scale,
-        )
-
-
-@dataclass
-class TritonDecodeMetadata:
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor  # int32 [B, max_blocks]
-    context_lens: torch.Tensor  # int32 [B]
-    max_context_len: int  # host-side bound: no device sync to size the grid
-    scale: float
-    ops: Any
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
-    ) -> torch.Tensor:
-        self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
-        return self.ops.paged_decode_attention(
-            q,
-            kv_layer[0],
-            kv_layer[1],
-            self.block_tables,
-            self.context_lens,
-            self.scale,
-            max_context_len=self.max_context_len,
-        )
-
-
-@dataclass
-class TritonPrefillMetadata:
-    slot_mapping: torch.Tensor
-    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
-    seq_lens: torch.Tensor  # int32 [B], context length after this chunk
-    block_tables: torch.Tensor  # int32 [B, max_blocks]
-    max_seqlen_q: int
-    scale: float
-    ops: Any
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
-    ) -> torch.Tensor:
-        self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
-        return self.ops.prefill_attention(
-            q,
-            kv_layer[0],
-            kv_layer[1],
-            self.cu_seqlens_q,
-            self.seq_lens,
-            self.block_tables,
-            self.scale,
-            max_seqlen_q=self.max_seqlen_q,
-        )
-
-
-class TritonAttentionBackend:
-    name = "triton"
-
-    def __init__(self, ops: Any, block_size: int, scale: float, device: torch.device):
-        self.ops = ops
-        self.block_size = block_size
-        self.scale = scale
-        self.device = device
-
-    def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(bt) for bt in block_tables)
-        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
-        return torch.tensor(padded, dtype=torch.int32, device=self.device)
-
-    def decode_metadata(
-        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
-    ) -> TritonDecodeMetadata:
-        return TritonDecodeMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
-            block_tables=self._tables(block_tables),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            max_context_len=max(context_lens),
-            scale=self.scale,
-            ops=self.ops,
-        )
-
-    def prefill_metadata(
-        self,
-        slot_mapping: list[int],
-        block_tables: list[list[int]],
-        query_lens: list[int],
-        context_lens: list[int],
-    ) -> TritonPrefillMetadata:
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
-        return TritonPrefillMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            block_tables=self._tables(block_tables),
-            max_seqlen_q=max(query_lens),
-            scale=self.scale,
-            ops=self.ops,
         )
 
 
@@ -313,10 +225,12 @@ def select_backend(
         try:
             import kernels
 
-            needed: Sequence[str] = ("paged_decode_attention", "prefill_attention", "store_kv")
-            if all(hasattr(kernels, name) for name in needed):
+            needed = ("paged_decode_attention", "prefill_attention", "store_kv")
+            # kernels imports lazily: the package loads without triton, its ops would not run.
+            has_triton = getattr(kernels, "triton_available", lambda: True)()
+            if has_triton and all(hasattr(kernels, name) for name in needed):
                 return TritonAttentionBackend(kernels, block_size, scale, device)
-            log.warning("kernels package lacks paged attention ops; using torch attention")
+            log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
     return TorchAttentionBackend(num_blocks, block_size, num_kv_heads, scale, device)

@@ -1,10 +1,15 @@
 """Token selection: greedy rows in one argmax, sampled rows reproducibly per (seed, position).
 
-Sampled rows are processed as one batch: temperature, top-k, top-p (mask, then the softmax
-renormalises over the survivors), then inverse-CDF sampling with a uniform ``u`` derived from
-``(seed, position)`` alone. The same request at the same position with the same logits always
-draws the same token — in any batch, any process, after a crash or a recompute — and each row
-costs no random-generator state, only one hashed 64-bit number.
+Sampled rows go through temperature, top-k and top-p (mask; the draw then renormalises over the
+survivors), then inverse-CDF sampling over the survivors in vocabulary order, with a uniform
+``u`` derived from ``(seed, position)`` alone. So the same request at the same position with the
+same logits always draws the same token, in any batch, any process, after a crash or a
+recompute; a row needs no random-generator state, only one hashed 64-bit number.
+
+No full-vocabulary sort unless it is needed: top-k rows work on their ``k`` best candidates;
+top-p rows first look for the nucleus among the best ``NUCLEUS_GUESS`` tokens and sort the whole
+row only when it is not there. The candidate sets are bitwise the same either way, and which
+path a row takes depends on its own parameters and logits, never on its batch neighbours.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 from shared.engine.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+NEG_INF = float("-inf")
+NUCLEUS_GUESS = 256
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -29,26 +36,33 @@ def uniform(seed: int, position: int) -> float:
     return (mix_seed(seed, position) >> 10) * 2.0**-53
 
 
+def nucleus_mask(
+    sorted_logits: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """True where a token falls outside the nucleus: the smallest prefix of the descending
+    ``sorted_logits`` whose probability (``exp(logit - log_norm)``) reaches ``top_p``. The
+    first token always stays. Prefix sums only: a prefix of the columns gives the same bits."""
+    probs = (sorted_logits - log_norm).exp()
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    return drop
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Set logits outside each row's top-k and outside its top-p nucleus to -inf.
-
-    ``logits [N, V]``; ``top_k [N]`` int (V = off) and ``top_p [N]`` float (1 = off), or None
-    when no row uses that filter. The nucleus is the smallest set of most likely tokens whose
-    probability reaches top_p; the most likely token always stays.
-    """
+    """``logits [N, V]`` with tokens outside each row's top-k / top-p set to -inf: the reference
+    (full-sort) form of the filters. ``top_k [N]`` (V = off), ``top_p [N]`` (1 = off), or None
+    when no row uses the filter. :class:`Sampler` keeps the same sets without the full sort."""
     if top_k is not None:
         kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, NEG_INF)
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p.
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p[:, None]
-        drop_sorted[:, 0] = False  # even for top_p <= 0
-        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        log_norm = logits.logsumexp(-1, keepdim=True)
+        drop = torch.empty_like(sorted_logits, dtype=torch.bool)
+        drop.scatter_(1, order, nucleus_mask(sorted_logits, log_norm, top_p))
+        logits = logits.masked_fill(drop, NEG_INF)
     return logits
 
 
@@ -60,40 +74,96 @@ class Sampler:
         will sit in its sequence (its ``num_tokens`` before appending)."""
         # max().indices is argmax (first index among ties, as torch.argmax and HF), ~3x faster.
         tokens = logits.max(dim=-1).indices.tolist()
-        rows = [i for i, params in enumerate(sampling) if not params.greedy]
-        if rows:
-            picked = self.sample(
-                logits[rows] if len(rows) < len(sampling) else logits,
-                [sampling[i] for i in rows],
-                [positions[i] for i in rows],
-            )
-            for i, token in zip(rows, picked, strict=True):
+        vocab = logits.shape[-1]
+        top_k_rows: list[int] = []
+        top_p_rows: list[int] = []
+        plain_rows: list[int] = []
+        for i, p in enumerate(sampling):
+            if p.greedy:
+                continue
+            if 0 < p.top_k < vocab:
+                top_k_rows.append(i)
+            elif p.top_p < 1.0:
+                top_p_rows.append(i)
+            else:
+                plain_rows.append(i)
+        for draw, rows in (
+            (_sample_top_k, top_k_rows),
+            (_sample_top_p, top_p_rows),
+            (_sample_plain, plain_rows),
+        ):
+            if not rows:
+                continue
+            params = [sampling[i] for i in rows]
+            u = [uniform(p.seed or 0, positions[i]) for p, i in zip(params, rows, strict=True)]
+            x = logits[rows].float() / _column([p.temperature for p in params], logits.device)
+            for i, token in zip(rows, draw(x, params, u), strict=True):
                 tokens[i] = token
         return tokens
 
-    @staticmethod
-    def sample(
-        logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]
-    ) -> list[int]:
-        """Sampled rows only (every ``temperature > 0``)."""
-        dev, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in sampling], device=dev)
-        x = logits.float() / temperature[:, None]
-        top_k = top_p = None
-        if any(0 < p.top_k < vocab for p in sampling):
-            ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in sampling]
-            top_k = torch.tensor(ks, device=dev)
-        if any(p.top_p < 1.0 for p in sampling):
-            top_p = torch.tensor([min(p.top_p, 1.0) for p in sampling], device=dev)
-        probs = apply_top_k_top_p(x, top_k, top_p).softmax(-1)
-        # Inverse CDF in vocab order (fp64 so the running sum does not drift on big vocabs).
-        # A zero-probability token repeats the previous cdf value, so right=True never picks it.
-        cdf = probs.cumsum(-1, dtype=torch.float64)
-        u = torch.tensor(
-            [uniform(p.seed or 0, pos) for p, pos in zip(sampling, positions, strict=True)],
-            dtype=torch.float64,
-            device=dev,
-        )
-        target = (u * cdf[:, -1])[:, None]
-        picked = torch.searchsorted(cdf, target, right=True).clamp_max_(vocab - 1)
-        return picked[:, 0].tolist()
+
+# Each _sample_* takes temperature-scaled logits of its rows and returns one token per row.
+
+
+def _sample_plain(x: torch.Tensor, params: list[SamplingParams], u: list[float]) -> list[int]:
+    return _inverse_cdf(x, u).tolist()
+
+
+def _sample_top_k(x: torch.Tensor, params: list[SamplingParams], u: list[float]) -> list[int]:
+    """Top-k, then top-p renormalised over the k survivors: never more than k columns."""
+    dev = x.device
+    ks = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([min(p.top_p, 1.0) for p in params], device=dev)
+    vals, ids = x.topk(int(ks.max()), dim=-1)
+    beyond_k = torch.arange(vals.shape[1], device=dev)[None, :] >= ks[:, None]
+    vals = vals.masked_fill(beyond_k, NEG_INF)
+    vals = vals.masked_fill(nucleus_mask(vals, vals.logsumexp(-1, keepdim=True), top_p), NEG_INF)
+    return _draw_from(vals, ids, u)
+
+
+def _sample_top_p(x: torch.Tensor, params: list[SamplingParams], u: list[float]) -> list[int]:
+    """Top-p alone: the nucleus is usually inside the best few hundred tokens; a row whose
+    nucleus reaches past them (a flat distribution) has its whole row sorted."""
+    top_p = torch.tensor([p.top_p for p in params], device=x.device)
+    log_norm = x.logsumexp(-1, keepdim=True)
+    vals, ids = x.topk(min(NUCLEUS_GUESS, x.shape[-1]), dim=-1)
+    covered = ((vals - log_norm).exp().sum(-1) >= top_p).tolist()
+    inside = [i for i, c in enumerate(covered) if c]
+    outside = [i for i, c in enumerate(covered) if not c]
+    picked = [0] * len(params)
+    for rows, candidates in (
+        (inside, lambda rows: (vals[rows], ids[rows])),
+        (outside, lambda rows: x[rows].sort(dim=-1, descending=True)),
+    ):
+        if not rows:
+            continue
+        v, v_ids = candidates(rows)
+        v = v.masked_fill(nucleus_mask(v, log_norm[rows], top_p[rows]), NEG_INF)
+        for i, token in zip(rows, _draw_from(v, v_ids, [u[i] for i in rows]), strict=True):
+            picked[i] = token
+    return picked
+
+
+def _draw_from(vals: torch.Tensor, ids: torch.Tensor, u: list[float]) -> list[int]:
+    """Inverse CDF over candidates ``ids`` (logits ``vals``), taken in vocabulary order."""
+    order = ids.argsort(dim=-1)
+    picked = _inverse_cdf(vals.gather(1, order), u)
+    return ids.gather(1, order).gather(1, picked[:, None])[:, 0].tolist()
+
+
+def _inverse_cdf(logits: torch.Tensor, u: list[float]) -> torch.Tensor:
+    """Column drawn from softmax(logits) per row by inverse CDF at ``u``.
+
+    Unnormalised weights and an fp64 running sum: a row's CDF depends only on its surviving
+    logits and their order. A -inf logit has weight 0 and repeats the previous CDF value, so
+    ``right=True`` never lands on it.
+    """
+    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp()
+    cdf = weights.cumsum(-1, dtype=torch.float64)
+    target = torch.tensor(u, dtype=torch.float64, device=logits.device) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return picked.clamp_max_(logits.shape[-1] - 1)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device)[:, None]

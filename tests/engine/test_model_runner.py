@@ -108,3 +108,21 @@ def test_bfloat16_runs() -> None:
         engine.add(Sequence("b", list(range(5, 30)), SamplingParams(max_tokens=5)))
         out = engine.run()["b"].output_token_ids
     assert len(out) == 5 and all(0 <= t < r.model_config.vocab_size for t in out)
+
+
+def test_seeded_sampling_survives_preemption_and_recompute(runner: ModelRunner) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=30)
+    prompt = list(range(200, 237))
+    engine = MiniEngine(runner)
+    seq = Sequence("s", prompt, params)
+    engine.add(seq)
+    with torch_threads(1):
+        engine.prefill_step()
+        for _ in range(12):
+            engine.decode_step()
+        engine.preempt(seq)  # KV dropped; prompt + 13 outputs recomputed by a prefill
+        replayed = engine.run()["s"].output_token_ids
+        fresh = MiniEngine(runner)
+        fresh.add(Sequence("s", prompt, params))
+        uninterrupted = fresh.run()["s"].output_token_ids
+    assert replayed == uninterrupted and len(replayed) == 30

@@ -108,3 +108,34 @@ def test_uniform_and_mix_seed_are_pinned() -> None:
     # Pinned: a (seed, position) must draw the same token in every release and process.
     assert mix_seed(1234, 17) == 4390300814818178609
     assert uniform(1234, 17) == (4390300814818178609 >> 10) * 2.0**-53
+
+
+def test_draws_stay_inside_the_reference_filter_sets() -> None:
+    g = torch.Generator().manual_seed(4)
+    vocab = 1000
+    peaked = torch.randn(vocab, generator=g) * 4  # nucleus inside the best NUCLEUS_GUESS
+    flat = torch.randn(vocab, generator=g) * 0.1  # nucleus of ~900 tokens: full-sort fallback
+    logits = torch.stack([peaked, flat, peaked, flat])
+    sampler = Sampler()
+    rows = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=600),
+    ]
+    reference = apply_top_k_top_p(
+        logits / torch.tensor([1.0, 1.0, 0.7, 1.0])[:, None],
+        torch.tensor([vocab, vocab, 40, 600]),
+        torch.tensor([0.9, 0.9, 0.8, 1.0]),
+    )
+    allowed = [set(torch.isfinite(r).nonzero()[:, 0].tolist()) for r in reference]
+    assert len(allowed[1]) > 256 and len(allowed[0]) < 256  # both top-p paths are exercised
+    draws: list[set[int]] = [set(), set(), set(), set()]
+    for seed in range(300):
+        params = [replace(p, seed=seed) for p in rows]
+        for i, token in enumerate(sampler(logits, params, [seed] * 4)):
+            draws[i].add(token)
+    for got, want in zip(draws, allowed, strict=True):
+        assert got <= want
+    rank = flat.argsort(descending=True).tolist()
+    assert max(rank.index(t) for t in draws[1]) >= 256  # the fallback drew past the guess
