@@ -33,9 +33,14 @@ def build(name: str, config: BatonConfig):  # type: ignore[no-untyped-def]
         from services.detokenizer.service import DetokenizerService
 
         return DetokenizerService(config, model_dir)
+    import torch
+
     from shared.engine.model_runner import ModelRunner
     from shared.kv_transport import make_transport
 
+    threads = config.prefill_torch_threads if name == "prefill" else config.decode_torch_threads
+    if threads > 0:
+        torch.set_num_threads(threads)
     runner = ModelRunner(config, model_dir)
     transport = make_transport(config)
     if name == "prefill":
@@ -108,6 +113,9 @@ def _passthrough_args() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Idle OpenMP workers must sleep, not spin: four services and the broker share the cores.
+    # (Read by the OpenMP runtime when torch loads, so it must be set before that.)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="python -m services", description=__doc__)
     parser.add_argument("service", choices=("up", *SERVICES))
     BatonConfig.add_arguments(parser)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import aio_pika
 import structlog
@@ -38,12 +39,12 @@ DEAD_LETTER_EXCHANGE = "baton.dlx"
 DEAD_LETTER_QUEUE = "baton.dead"
 MAX_PRIORITY = 9
 
-WORK_QUEUE_ARGS = {
+WORK_QUEUE_ARGS: dict[str, Any] = {
     "x-max-priority": MAX_PRIORITY + 1,
     "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
 }
 # The dead-letter queue is bounded so a flood of garbage cannot fill the broker's disk.
-DEAD_QUEUE_ARGS = {"x-max-length": 10_000, "x-message-ttl": 7 * 24 * 3600 * 1000}
+DEAD_QUEUE_ARGS: dict[str, Any] = {"x-max-length": 10_000, "x-message-ttl": 7 * 24 * 3600 * 1000}
 
 Handler = Callable[[AbstractIncomingMessage], Awaitable[None]]
 

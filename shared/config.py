@@ -31,6 +31,10 @@ class BatonConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    # torch intra-op threads of each engine service; 0 = torch's default (all cores). On a small
+    # machine shared by all four services and the broker, fewer threads waste less CPU spinning.
+    prefill_torch_threads: int = 0
+    decode_torch_threads: int = 0
     # --- limits -------------------------------------------------------------------------------
     max_model_len: int = 2048
     max_prompt_tokens: int = 1536

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
@@ -39,7 +41,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", service: str | Non
 
 
 def _add_service(service: str) -> structlog.types.Processor:
-    def add(_: object, __: str, event: dict) -> dict:  # type: ignore[type-arg]
+    def add(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         event.setdefault("service", service)
         return event
 

@@ -100,7 +100,11 @@ class ServiceMetrics:
         self._kv_bytes_per_token = kv_bytes_per_token
 
     def on_decode_step(
-        self, step: DecodeStep, scheduler: DecodeScheduler, block_manager: BlockManager, seconds: float
+        self,
+        step: DecodeStep,
+        scheduler: DecodeScheduler,
+        block_manager: BlockManager,
+        seconds: float,
     ) -> None:
         m = self.metrics
         n = len(step.decode)

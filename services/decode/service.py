@@ -161,9 +161,9 @@ class DecodeService:
             if deadline is not None and now >= deadline:
                 aborted.append(rid)  # the detokenizer answers the timeout itself
         for rid in aborted:
-            item = self.work.pop(rid, None)
-            if item is None:
+            if rid not in self.work:
                 continue
+            item = self.work.pop(rid)
             self.scheduler.abort(rid)
             if item.msg.kv is not None:
                 self.transport.discard(item.msg.kv)

@@ -68,10 +68,10 @@ class PrefillScheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         while budget > 0 and len(batch) < self.max_num_seqs:
-            seq = self.waiting.peek()
-            if seq is None or not self.block_manager.can_allocate(seq):
+            head = self.waiting.peek()
+            if head is None or not self.block_manager.can_allocate(head):
                 break  # strict priority order: a big prompt is not overtaken forever
-            self.waiting.pop()
+            seq = self.waiting.pop()
             self.block_manager.allocate(seq)  # may find a cached prefix
             seq.status = SequenceStatus.RUNNING
             self.running[seq.request_id] = seq

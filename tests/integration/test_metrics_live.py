@@ -43,10 +43,12 @@ async def test_metrics_move_with_load(client: BatonClient, metrics_port: int) ->
     before = {name: _scrape(port) for name, port in ports.items()}
 
     n, max_tokens = 12, 10
-    replies = await asyncio.gather(*(
-        client.generate(f"metrics probe {i} " * (i + 1), max_tokens=max_tokens, ignore_eos=True)
-        for i in range(n)
-    ))
+    replies = await asyncio.gather(
+        *(
+            client.generate(f"metrics probe {i} " * (i + 1), max_tokens=max_tokens, ignore_eos=True)
+            for i in range(n)
+        )
+    )
     assert all(isinstance(r, DoneReply) for r in replies)
     await asyncio.sleep(2.5)  # queue depths are polled every 2 s
     after = {name: _scrape(port) for name, port in ports.items()}
