@@ -112,3 +112,49 @@ class LocalSystem:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+class ServiceProcesses:
+    """The four services as separate processes, so a test can kill and restart one of them."""
+
+    def __init__(self, amqp_url: str, env: dict[str, str] | None = None):
+        self._system = LocalSystem(amqp_url, env)  # shares its env, spill dir and log file
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def amqp_url(self) -> str:
+        return self._system.amqp_url
+
+    def start(self, name: str) -> None:
+        log = open(self._system.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "services", name], cwd=REPO_ROOT, env=self._system.env,
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+
+    def start_all(self) -> None:
+        for name in ("tokenizer", "prefill", "decode", "detokenizer"):
+            self.start(name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: no cleanup, no acks — what a crash looks like to the broker."""
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait()
+
+    async def wait_ready(self, timeout_s: float = 180.0) -> None:
+        await self._system.wait_ready(timeout_s)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(self._system.spill_dir, ignore_errors=True)
+
+    def tail(self, lines: int = 40) -> str:
+        return self._system.tail(lines)
