@@ -128,8 +128,11 @@ class ServiceProcesses:
     def start(self, name: str) -> None:
         log = open(self._system.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "services", name], cwd=REPO_ROOT, env=self._system.env,
-            stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "services", name],
+            cwd=REPO_ROOT,
+            env=self._system.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     def start_all(self) -> None:

@@ -11,6 +11,7 @@ Invariants every service keeps:
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,23 @@ class Broker:
     async def publish_many(self, outs: Iterable[Outgoing]) -> None:
         """Publish several messages, confirms awaited together (one round trip, not N)."""
         await asyncio.gather(*(self.publish(o) for o in outs))
+
+    async def publish_until_confirmed(self, outs: list[Outgoing], what: str) -> None:
+        """Publish, retrying only the messages that were not confirmed, until all are.
+
+        For outputs that cannot be regenerated from a redelivery (the detokenizer's replies).
+        A message whose confirm was lost with the connection may arrive twice: at-least-once."""
+        pending = outs
+        for attempt in itertools.count(1):
+            results = await asyncio.gather(
+                *(self.publish(o) for o in pending), return_exceptions=True
+            )
+            failed = [o for o, r in zip(pending, results, strict=True) if isinstance(r, Exception)]
+            if not failed:
+                return
+            log.warning(f"publishing {what} failed; retrying", attempt=attempt, count=len(failed))
+            pending = failed
+            await asyncio.sleep(min(0.1 * attempt, 2.0))
 
     async def publish_control(self, body: bytes) -> None:
         assert self._control is not None, "connect() first"

@@ -126,18 +126,20 @@ class DetokenizerService:
             Outgoing(reply_to, reply.encode(), correlation_id=reply.request_id, persistent=False)
             for reply_to, reply in out.replies
         ]
-        try:
-            await self.broker.publish_many(replies)
-            for rid in out.aborts:
+        # The core has already applied these inputs: a redelivery would be deduplicated and
+        # produce no replies, so the replies themselves are retried until the broker takes them
+        # (the robust connection reconnects meanwhile). Inputs are acked only afterwards.
+        await self.broker.publish_until_confirmed(replies, "replies")
+        for rid in out.aborts:
+            try:
                 await self.broker.publish_control(ControlMsg("abort", rid).encode())
-        except Exception:
-            # Unacked inputs come back on reconnect; the replay is deduplicated by position.
-            log.exception("publishing replies failed")
-            for d in deliveries:
-                await d.nack(requeue=True)
-            return
+            except Exception as exc:  # workers still stop at max_tokens or the deadline
+                log.warning("abort not sent", request_id=rid, error=str(exc))
         for d in deliveries:
-            await d.ack()
+            try:
+                await d.ack()
+            except Exception:  # its channel died: redelivered, then dropped as a duplicate
+                log.debug("ack failed after reconnect", delivery_tag=d.delivery_tag)
         for info, reply in out.finished:
             self.metrics.on_request_finished(info, reply)
             log.info(
