@@ -641,3 +641,25 @@ def test_many_requests_interleaved_each_answered_once(h: Harness, ids: list[int]
     assert h.done("r11").finish_reason == "length"
     assert h.done("r10").finish_reason == "cancelled"
     assert h.core.num_active == 0
+
+
+def test_stream_interval_coalesces_replies_but_never_delays_first_or_last(
+    decode: Decode, ids: list[int]
+) -> None:
+    core = DetokenizerCore(decode, stream_interval_s=0.05)
+    out = Output()
+    core.start(info("a", max_tokens=len(ids)), T0, out)
+    replies: list[Any] = []
+    for i, t in enumerate(ids):  # one token every 10 ms
+        now = T0 + 0.01 * (i + 1)
+        out = Output()
+        core.event(ev("a", i, [t]), now, out)
+        core.flush(out, now)
+        replies += [r for _, r in out.replies]
+    tokens = [r for r in replies if isinstance(r, TokenReply)]
+    assert tokens[0].index == 0 and tokens[0].token_ids == [ids[0]]  # first token at once
+    assert len(tokens) < len(ids) // 3  # ~one reply per 5 tokens
+    assert [i for r in tokens for i in r.token_ids] == ids  # nothing lost, in order
+    assert isinstance(replies[-1], DoneReply) and replies[-1].token_ids == ids
+    assert "".join(r.text for r in tokens) == replies[-1].text
+    assert not core.has_pending_stream()
