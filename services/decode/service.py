@@ -55,20 +55,33 @@ class DecodeService:
             kv_bytes_per_token=runner.block_bytes // config.block_size,
         )
         self._loop_task: asyncio.Task[None] | None = None
+        self._reclaim_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.broker.connect()
         await self.broker.subscribe_control(self.shell.on_control)
         await self.metrics.start(ready=lambda: self._loop_task is not None)
         self._loop_task = asyncio.create_task(self._engine_loop())
+        self._reclaim_task = asyncio.create_task(self._reclaim_orphans())
         await self.broker.consume(DECODE_QUEUE, self.on_message)
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._reclaim_task):
+            if task is not None:
+                task.cancel()
         await self.shell.drain_publishes()
         await self.broker.close()
         await self.metrics.stop()
+
+    async def _reclaim_orphans(self) -> None:
+        """Spill-store entries nobody loaded in time belonged to requests that died upstream."""
+        interval = max(1.0, self.config.spill_orphan_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.to_thread(self.transport.reclaim_orphans)
+            except Exception:
+                log.exception("reclaiming orphan KV entries failed")
 
     async def on_message(self, delivery: AbstractIncomingMessage) -> None:
         try:
