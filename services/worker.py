@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -19,8 +20,23 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.common import ExpiringIdSet
 from shared.broker import DETOK_QUEUE, Broker, Outgoing
-from shared.protocol import ControlMsg, DetokMsg, TokenEvent, unpack
+from shared.config import BatonConfig
+from shared.engine.block_manager import BlockManager
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sequence import SamplingParams
+from shared.kv_transport import KVTransport
+from shared.metrics_glue import ServiceMetrics
+from shared.protocol import (
+    ControlMsg,
+    DetokMsg,
+    HandoffMsg,
+    PrefillMsg,
+    Sampling,
+    TokenEvent,
+    unpack,
+)
 from shared.protocol_errors import ErrorCode, ProtocolError
+from shared.scheduling import DecodeScheduler, PrefillScheduler
 
 log = structlog.get_logger(__name__)
 
@@ -108,3 +124,99 @@ async def requeue(item: Intake) -> None:
         await item.delivery.nack(requeue=True)
     except Exception:  # channel gone: the broker redelivers unacked messages by itself
         log.warning("could not requeue; broker will redeliver", request_id=item.msg.request_id)
+
+
+def sampling_params(s: Sampling) -> SamplingParams:
+    """The wire's sampling settings as the engine's (validated at the tokenizer)."""
+    return SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens, s.ignore_eos)
+
+
+class EngineService(ABC):
+    """The shell around one engine (prefill or decode): consume → engine loop → publish.
+
+    Subclasses provide the work-message type, the queue, and one iteration of the engine loop;
+    this class owns the broker, the intake, the block manager and the task lifecycle.
+    """
+
+    name: str
+    queue: str
+    message_type: type[PrefillMsg] | type[HandoffMsg]
+    scheduler: PrefillScheduler | DecodeScheduler
+
+    def __init__(
+        self, config: BatonConfig, runner: ModelRunner, transport: KVTransport, prefetch: int
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.transport = transport
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.broker = Broker(config, prefetch_count=prefetch)
+        self.shell = WorkerShell(self.broker, config.max_message_bytes)
+        self.work: dict[str, Intake] = {}  # request_id -> its message, unacked until done
+        self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await self.broker.connect()
+        await self.broker.subscribe_control(self.shell.on_control)
+        await self.metrics.start(ready=lambda: bool(self._tasks))
+        self._tasks = [asyncio.create_task(c) for c in (self._engine_loop(), *self.background())]
+        await self.broker.consume(self.queue, self.on_message)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.shell.drain_publishes()
+        await self.broker.close()
+        await self.metrics.stop()
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        """Extra periodic work of the service (none by default)."""
+        return []
+
+    async def on_message(self, delivery: AbstractIncomingMessage) -> None:
+        try:
+            msg = self.message_type.decode(delivery.body, self.config.max_message_bytes)
+        except ProtocolError as exc:
+            await self.shell.fail_unparseable(delivery, exc)
+            return
+        self.shell.incoming.append(Intake(msg, delivery))
+        self.shell.wake.set()
+
+    async def _engine_loop(self) -> None:
+        """The only place scheduler state changes (the forward itself runs in a thread)."""
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("engine loop error", service=self.name)
+                await asyncio.sleep(0.1)
+
+    async def fail_requests(self, request_ids: list[str], reason: str) -> None:
+        """A forward failed: end its requests with an ``internal`` error rather than retrying a
+        batch that may fail forever; every other request keeps being served."""
+        log.error("failing requests after an engine error", count=len(request_ids), reason=reason)
+        items = []
+        for rid in request_ids:
+            self.scheduler.abort(rid)
+            item = self.work.pop(rid, None)
+            if item is not None:
+                items.append(item)
+                if getattr(item.msg, "kv", None) is not None:
+                    self.transport.discard(item.msg.kv)
+        await self.publish_events(
+            [error_event(rid, ErrorCode.INTERNAL, reason) for rid in request_ids]
+        )
+        for item in items:
+            await item.delivery.ack()
+
+    async def publish_events(self, events: list[TokenEvent]) -> None:
+        await self.shell.publish_events(events)
+
+    @abstractmethod
+    async def step(self) -> None:
+        """One iteration: take in new work, apply aborts, run a batch or wait for work."""

@@ -10,34 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 
-from services.worker import Intake, WorkerShell, error_event, requeue
-from shared.broker import DECODE_QUEUE, Broker
+from services.worker import EngineService, Intake, error_event, requeue, sampling_params
+from shared.broker import DECODE_QUEUE
 from shared.config import BatonConfig
-from shared.engine.block_manager import BlockManager
 from shared.engine.model_runner import ModelRunner
-from shared.engine.sequence import SamplingParams, Sequence
+from shared.engine.sequence import Sequence
 from shared.kv_transport import KVTransport
-from shared.metrics_glue import ServiceMetrics
-from shared.protocol import HandoffMsg, ProtocolError, TokenEvent
+from shared.protocol import HandoffMsg, TokenEvent
 from shared.protocol_errors import ErrorCode
 from shared.scheduling import DecodeScheduler, DecodeStep
 
 log = structlog.get_logger(__name__)
 
 
-class DecodeService:
+class DecodeService(EngineService):
     name = "decode"
+    queue = DECODE_QUEUE
+    message_type = HandoffMsg
+    scheduler: DecodeScheduler
 
     def __init__(self, config: BatonConfig, runner: ModelRunner, transport: KVTransport) -> None:
-        self.config = config
-        self.runner = runner
-        self.transport = transport
-        self.block_manager = BlockManager(
-            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        super().__init__(
+            config, runner, transport, prefetch=config.max_num_seqs + config.decode_max_waiting
         )
         self.scheduler = DecodeScheduler(
             self.block_manager,
@@ -46,32 +45,13 @@ class DecodeService:
             runner.model_config.eos_token_ids,
             config.max_model_len,
         )
-        self.broker = Broker(config, prefetch_count=config.max_num_seqs + config.decode_max_waiting)
-        self.shell = WorkerShell(self.broker, config.max_message_bytes)
-        self.work: dict[str, Intake] = {}  # request_id -> its handoff, unacked while it runs
-        self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
         self.metrics.set_decode_costs(
             weight_bytes=sum(p.numel() * p.element_size() for p in runner.model.parameters()),
             kv_bytes_per_token=runner.block_bytes // config.block_size,
         )
-        self._loop_task: asyncio.Task[None] | None = None
-        self._reclaim_task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        await self.broker.connect()
-        await self.broker.subscribe_control(self.shell.on_control)
-        await self.metrics.start(ready=lambda: self._loop_task is not None)
-        self._loop_task = asyncio.create_task(self._engine_loop())
-        self._reclaim_task = asyncio.create_task(self._reclaim_orphans())
-        await self.broker.consume(DECODE_QUEUE, self.on_message)
-
-    async def stop(self) -> None:
-        for task in (self._loop_task, self._reclaim_task):
-            if task is not None:
-                task.cancel()
-        await self.shell.drain_publishes()
-        await self.broker.close()
-        await self.metrics.stop()
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._reclaim_orphans()]
 
     async def _reclaim_orphans(self) -> None:
         """Spill-store entries nobody loaded in time belonged to requests that died upstream."""
@@ -83,37 +63,20 @@ class DecodeService:
             except Exception:
                 log.exception("reclaiming orphan KV entries failed")
 
-    async def on_message(self, delivery: AbstractIncomingMessage) -> None:
-        try:
-            msg = HandoffMsg.decode(delivery.body, self.config.max_message_bytes)
-        except ProtocolError as exc:
-            await self.shell.fail_unparseable(delivery, exc)
+    async def step(self) -> None:
+        await self._admit_incoming()
+        self._apply_aborts(time.time())
+        if not self.scheduler.has_work():
+            await self.shell.wait_for_work(timeout_s=1.0)
             return
-        self.shell.incoming.append(Intake(msg, delivery))
-        self.shell.wake.set()
-
-    # --- engine loop ----------------------------------------------------------------------------
-    async def _engine_loop(self) -> None:
-        while True:
-            try:
-                await self._admit_incoming()
-                self._apply_aborts(time.time())
-                if not self.scheduler.has_work():
-                    await self.shell.wait_for_work(timeout_s=1.0)
-                    continue
-                admitted = self.scheduler.admit()
-                if admitted:
-                    await asyncio.to_thread(self._load_kv, admitted)
-                step = self.scheduler.schedule()
-                if not step:
-                    await self.shell.wait_for_work(timeout_s=0.01)
-                    continue
-                await self._run_step(step)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("decode engine loop error")
-                await asyncio.sleep(0.1)
+        admitted = self.scheduler.admit()
+        if admitted:
+            await asyncio.to_thread(self._load_kv, admitted)
+        step = self.scheduler.schedule()
+        if not step:
+            await self.shell.wait_for_work(timeout_s=0.01)
+            return
+        await self._run_step(step)
 
     async def _admit_incoming(self) -> None:
         now = time.time()
@@ -127,11 +90,10 @@ class DecodeService:
                     self.transport.discard(msg.kv)
                 await item.delivery.ack()
                 continue
-            s = msg.sampling
             seq = Sequence(
                 rid,
                 msg.prompt_token_ids + msg.output_token_ids,
-                SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens, s.ignore_eos),
+                sampling_params(msg.sampling),
                 priority=msg.priority,
                 num_prompt_tokens=len(msg.prompt_token_ids),
                 arrival_time=msg.arrival_time,
@@ -184,7 +146,13 @@ class DecodeService:
 
     async def _run_step(self, step: DecodeStep) -> None:
         started = time.perf_counter()
-        tokens = await asyncio.to_thread(self._forward, step)
+        try:
+            tokens = await asyncio.to_thread(self._forward, step)
+        except Exception as exc:
+            log.exception("decode step failed")
+            rids = [s.request_id for s in (*step.decode, *step.recompute.seqs)]
+            await self.fail_requests(rids, f"decode failed: {type(exc).__name__}")
+            return
         finished = self.scheduler.update(step, tokens)
         reasons = {f.seq.request_id: f.reason for f in finished}
         events = [

@@ -12,18 +12,15 @@ import time
 from dataclasses import dataclass
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 
-from services.worker import Intake, WorkerShell, error_event, requeue
-from shared.broker import DECODE_QUEUE, PREFILL_QUEUE, Broker, Outgoing
+from services.worker import EngineService, Intake, error_event, requeue, sampling_params
+from shared.broker import DECODE_QUEUE, PREFILL_QUEUE, Outgoing
 from shared.config import BatonConfig
-from shared.engine.block_manager import BlockManager
 from shared.engine.model_runner import ModelRunner
-from shared.engine.sequence import SamplingParams, Sequence
+from shared.engine.sequence import Sequence
 from shared.kv_transport import KVTransport
-from shared.metrics_glue import ServiceMetrics
 from shared.protocol import HandoffMsg, KVDescriptor, PrefillMsg, TokenEvent
-from shared.protocol_errors import ErrorCode, ProtocolError
+from shared.protocol_errors import ErrorCode
 from shared.scheduling import PrefillBatch, PrefillScheduler
 
 log = structlog.get_logger(__name__)
@@ -38,72 +35,34 @@ class _Done:
     send_s: float = 0.0
 
 
-class PrefillService:
+class PrefillService(EngineService):
     name = "prefill"
+    queue = PREFILL_QUEUE
+    message_type = PrefillMsg
+    scheduler: PrefillScheduler
 
     def __init__(self, config: BatonConfig, runner: ModelRunner, transport: KVTransport) -> None:
-        self.config = config
-        self.runner = runner
-        self.transport = transport
-        self.block_manager = BlockManager(
-            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
+        super().__init__(config, runner, transport, prefetch=2 * config.prefill_max_num_seqs)
         self.scheduler = PrefillScheduler(
             self.block_manager, config.max_num_batched_tokens, config.prefill_max_num_seqs
         )
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
-        self.broker = Broker(config, prefetch_count=2 * config.prefill_max_num_seqs)
-        self.shell = WorkerShell(self.broker, config.max_message_bytes)
-        self.work: dict[str, Intake] = {}  # request_id -> its message, until acked
-        self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
-        self._loop_task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        await self.broker.connect()
-        await self.broker.subscribe_control(self.shell.on_control)
-        await self.metrics.start(ready=lambda: self._loop_task is not None)
-        self._loop_task = asyncio.create_task(self._engine_loop())
-        await self.broker.consume(PREFILL_QUEUE, self.on_message)
-
-    async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        await self.shell.drain_publishes()
-        await self.broker.close()
-        await self.metrics.stop()
-
-    async def on_message(self, delivery: AbstractIncomingMessage) -> None:
-        try:
-            msg = PrefillMsg.decode(delivery.body, self.config.max_message_bytes)
-        except ProtocolError as exc:
-            await self.shell.fail_unparseable(delivery, exc)
+    async def step(self) -> None:
+        await self._admit_incoming()
+        self._apply_aborts()
+        if not self.scheduler.has_work():
+            await self.shell.wait_for_work(timeout_s=1.0)
             return
-        self.shell.incoming.append(Intake(msg, delivery))
-        self.shell.wake.set()
-
-    # --- engine loop (the only place scheduler state changes) -----------------------------------
-    async def _engine_loop(self) -> None:
-        while True:
-            try:
-                await self._admit_incoming()
-                self._apply_aborts()
-                if not self.scheduler.has_work():
-                    await self.shell.wait_for_work(timeout_s=1.0)
-                    continue
-                if self.scheduler.num_running == 0 and self.config.prefill_batch_wait_s > 0:
-                    # Just woke with fresh work: give its neighbours a moment to arrive too.
-                    await asyncio.sleep(self.config.prefill_batch_wait_s)
-                    await self._admit_incoming()
-                batch = self.scheduler.schedule()
-                if not batch:
-                    await self.shell.wait_for_work(timeout_s=0.01)
-                    continue
-                await self._run_batch(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("prefill engine loop error")
-                await asyncio.sleep(0.1)
+        if self.scheduler.num_running == 0 and self.config.prefill_batch_wait_s > 0:
+            # Just woke with fresh work: give its neighbours a moment to arrive too.
+            await asyncio.sleep(self.config.prefill_batch_wait_s)
+            await self._admit_incoming()
+        batch = self.scheduler.schedule()
+        if not batch:
+            await self.shell.wait_for_work(timeout_s=0.01)
+            return
+        await self._run_batch(batch)
 
     async def _admit_incoming(self) -> None:
         now = time.time()
@@ -117,11 +76,10 @@ class PrefillService:
             if rid in self.shell.aborted or (msg.deadline is not None and now >= msg.deadline):
                 await item.delivery.ack()  # the detokenizer answers cancels and timeouts
                 continue
-            s = msg.sampling
             seq = Sequence(
                 rid,
                 msg.prompt_token_ids,
-                SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens, s.ignore_eos),
+                sampling_params(msg.sampling),
                 priority=msg.priority,
                 arrival_time=msg.arrival_time,
                 block_size=self.config.block_size,
@@ -143,7 +101,13 @@ class PrefillService:
 
     async def _run_batch(self, batch: PrefillBatch) -> None:
         started = time.time()
-        done = await asyncio.to_thread(self._forward_and_send, batch)
+        try:
+            done = await asyncio.to_thread(self._forward_and_send, batch)
+        except Exception as exc:
+            log.exception("prefill batch failed")
+            rids = [s.request_id for s in batch.seqs]
+            await self.fail_requests(rids, f"prefill failed: {type(exc).__name__}")
+            return
         finished = self.scheduler.update(batch, [d.token if d else None for d in done])
         self.metrics.on_prefill_batch(
             batch, self.scheduler.num_waiting, self.block_manager, time.time() - started
