@@ -2,9 +2,10 @@
 
 The runner builds one metadata object per forward (tensors, masks, gather indices) through an
 :class:`AttentionBackend`; every layer then calls :func:`attention` with it. Two backends:
-- torch (any device, the CPU path): decode gathers each sequence's blocks into a padded
-  ``[B, L, Hkv, D]`` view and runs one masked SDPA; prefill runs one SDPA per sequence, causal
-  (``is_causal``) when it has no cached prefix, else with a causal-with-offset mask.
+- torch (any device, the CPU path): decode copies only K (per KV head, padded to the longest
+  context) for one batched matmul and reads V in place (see :class:`TorchDecodeMetadata`);
+  prefill runs one SDPA per sequence, causal (``is_causal``) when it has no cached prefix, else
+  with a causal-with-offset mask.
 - triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
   pools in place.
 
@@ -70,25 +71,50 @@ def store_kv_torch(
 
 @dataclass
 class TorchDecodeMetadata:
+    """Decode attention read off the pools, shared by every layer of one step.
+
+    K: one index_select of the ``(slot, kv head)`` rows of the pool viewed as ``[slots * Hkv,
+    D]``, straight into ``[B * Hkv, L, D]``, the layout of one batched ``q @ Kᵀ`` (each KV head
+    with its group of query heads; q head h uses KV head h // group, as in repeat_kv). V is never
+    copied: ``embedding_bag`` sums each query head's V rows weighted by its probabilities, in
+    place. ``L`` is the longest context of the batch; a shorter one's padding rows point at real
+    slots (its own spare ones, or block 0's) and get probability exactly 0.
+
+    On CPU a decode step streams every running sequence's KV from memory; this reads it once
+    and writes one K copy, where gathering K and V for SDPA wrote both and read them twice.
+    """
+
     slot_mapping: torch.Tensor  # int64 [B]
-    # int64 [2 * B * max_blocks]: the block tables padded with block 0, see gather_blocks.
-    kv_rows: torch.Tensor
-    mask: torch.Tensor  # bool [B, 1, 1, max_blocks * block_size]
-    num_kv_heads: int
+    k_rows: torch.Tensor  # int64 [B, Hkv, L]: slot * Hkv + kv head (padding: block 0's slots)
+    mask: torch.Tensor  # fp32 [B * Hkv, 1, L] additive: 0 in the context, -inf in the padding
     scale: float
+    # k_rows repeated for each query head of a group, [B * Hq, L]: built by the first layer
+    # (the backend does not know the group), reused by the others.
+    v_rows: torch.Tensor | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
         batch, num_heads, head_dim = q.shape
-        kv = gather_blocks(kv_layer, self.kv_rows).view(2, batch, -1, *kv_layer.shape[3:])
-        # Grouped-query attention without repeating K/V: each KV head sees its group of query
-        # heads as a short query sequence (q head h uses KV head h // group, as in repeat_kv).
-        group = num_heads // self.num_kv_heads
-        qg = q.view(batch, self.num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(
-            qg, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=self.mask, scale=self.scale
+        _, num_kv_heads, context = self.k_rows.shape
+        group = num_heads // num_kv_heads
+        if self.v_rows is None:
+            rows = self.k_rows[:, :, None, :].expand(batch, num_kv_heads, group, context)
+            self.v_rows = rows.reshape(batch * num_heads, context)
+        keys = kv_layer[0].view(-1, head_dim).index_select(0, self.k_rows.view(-1))
+        scores = torch.baddbmm(
+            self.mask.to(q.dtype),
+            q.reshape(batch * num_kv_heads, group, head_dim),
+            keys.view(batch * num_kv_heads, context, head_dim).transpose(1, 2),
+            alpha=self.scale,
+        )
+        probs = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax; no-op casts in fp32
+        out = F.embedding_bag(
+            self.v_rows,
+            kv_layer[1].view(-1, head_dim),
+            mode="sum",
+            per_sample_weights=probs.view(self.v_rows.shape),
         )
         return out.view(batch, num_heads, head_dim)
 
@@ -169,20 +195,25 @@ class TorchAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.device = device
+        self._block_offsets = torch.arange(block_size, device=device)
+        self._kv_heads = torch.arange(num_kv_heads, device=device)[:, None]
 
     def decode_metadata(
         self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
     ) -> TorchDecodeMetadata:
-        dev = self.device
-        max_blocks = (max(context_lens) + self.block_size - 1) // self.block_size
+        dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
+        batch, context = len(context_lens), max(context_lens)
+        max_blocks = (context + bs - 1) // bs
         padded = [bt[:max_blocks] + [0] * (max_blocks - len(bt)) for bt in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int64, device=dev)
+        slots = (tables[:, :, None] * bs + self._block_offsets).view(batch, -1)[:, :context]
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
-        span = torch.arange(max_blocks * self.block_size, device=dev)
+        padding = torch.arange(context, device=dev) >= lens[:, None]
+        mask = torch.zeros(batch, context, device=dev).masked_fill_(padding, float("-inf"))
         return TorchDecodeMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            kv_rows=block_rows(torch.tensor(padded, device=dev).flatten(), self.num_blocks),
-            mask=(span[None, :] < lens[:, None])[:, None, None, :],
-            num_kv_heads=self.num_kv_heads,
+            k_rows=slots[:, None, :] * num_kv_heads + self._kv_heads,
+            mask=mask[:, None, None, :].expand(batch, num_kv_heads, 1, context).flatten(0, 1),
             scale=self.scale,
         )
 
