@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.scheduling.base import SchedulerBase
 from shared.scheduling.prefill_scheduler import PrefillBatch
-from shared.scheduling.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Finished:
     reason: str  # "stop" | "length"
 
 
-class DecodeScheduler:
+class DecodeScheduler(SchedulerBase):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -43,7 +43,7 @@ class DecodeScheduler:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
     ) -> None:
-        self.block_manager = block_manager
+        super().__init__(block_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -51,23 +51,7 @@ class DecodeScheduler:
         self.max_seq_tokens = min(
             max_model_len, block_manager.num_blocks * block_manager.block_size
         )
-        self.waiting = WaitingQueue()
-        self.running: dict[str, Sequence] = {}
         self.num_preemptions = 0
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.running or request_id in self.waiting
-
-    def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
 
     def add(self, seq: Sequence) -> bool:
         """Queue a sequence; False (not queued) if it could never fit in the cache."""
@@ -156,7 +140,7 @@ class DecodeScheduler:
             self.block_manager.cache_computed_blocks(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self.finish(seq)
+                self.free(seq)
                 finished.append(Finished(seq, reason))
         return finished
 
@@ -169,22 +153,6 @@ class DecodeScheduler:
         ):
             return "length"
         return None
-
-    # --- removal --------------------------------------------------------------------------------
-    def finish(self, seq: Sequence) -> None:
-        self.running.pop(seq.request_id, None)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-
-    def abort(self, request_id: str) -> Sequence | None:
-        seq = self.waiting.remove(request_id)
-        if seq is not None:
-            seq.status = SequenceStatus.FINISHED
-            return seq
-        seq = self.running.get(request_id)
-        if seq is not None:
-            self.finish(seq)
-        return seq
 
     def _victim(self) -> Sequence | None:
         if not self.running:

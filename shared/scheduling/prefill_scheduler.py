@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.scheduling.waiting_queue import WaitingQueue
+from shared.scheduling.base import SchedulerBase
 
 
 @dataclass
@@ -27,27 +27,11 @@ class PrefillBatch:
         return sum(self.num_new_tokens)
 
 
-class PrefillScheduler:
+class PrefillScheduler(SchedulerBase):
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
-        self.block_manager = block_manager
+        super().__init__(block_manager)  # running: partially prefilled (chunked) sequences
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting = WaitingQueue()
-        self.running: dict[str, Sequence] = {}  # partially prefilled (chunked) sequences
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.running or request_id in self.waiting
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -93,18 +77,3 @@ class PrefillScheduler:
                 del self.running[seq.request_id]
                 done.append(seq)
         return done
-
-    def free(self, seq: Sequence) -> None:
-        """The blocks' KV went to the transport (or the request died): give them back."""
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-
-    def abort(self, request_id: str) -> Sequence | None:
-        seq = self.waiting.remove(request_id)
-        if seq is not None:
-            seq.status = SequenceStatus.FINISHED
-            return seq
-        seq = self.running.pop(request_id, None)
-        if seq is not None:
-            self.free(seq)
-        return seq
