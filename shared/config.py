@@ -42,6 +42,8 @@ class BatonConfig:
     max_tokens_limit: int = 4096
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    # The tokenizer answers ``overloaded`` while baton.prefill holds this many requests.
+    max_prefill_backlog: int = 10_000
     # --- paged KV cache -----------------------------------------------------------------------
     block_size: int = 16
     # 0 = derive from kv_cache_mb; otherwise an exact count.

@@ -6,6 +6,7 @@ without ``reply_to`` cannot be answered and is dead-lettered with a log line.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -16,11 +17,14 @@ from services.tokenizer.core import PromptEncoder
 from shared.broker import DETOK_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE, Broker, Outgoing
 from shared.config import BatonConfig
 from shared.metrics_glue import ServiceMetrics
+from shared.policy import AdmissionPolicy
 from shared.protocol import DetokMsg, ErrorReply, PrefillMsg, RequestMsg, StartInfo
 from shared.protocol_errors import ErrorCode, ProtocolError
 from shared.validation import parse_request
 
 log = structlog.get_logger(__name__)
+
+BACKLOG_POLL_INTERVAL_S = 0.25
 
 
 class TokenizerService:
@@ -31,15 +35,30 @@ class TokenizerService:
         self.encoder = encoder
         self.broker = Broker(config, prefetch_count=64)
         self.metrics = ServiceMetrics(config, self.name)
+        self.admission = AdmissionPolicy(config.max_prefill_backlog)
+        self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.broker.connect()
         await self.metrics.start(ready=lambda: True)
+        self._poller = asyncio.create_task(self._poll_backlog())
         await self.broker.consume(REQUESTS_QUEUE, self.on_request)
 
     async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
         await self.broker.close()
         await self.metrics.stop()
+
+    async def _poll_backlog(self) -> None:
+        while True:
+            try:
+                self.admission.observe(await self.broker.queue_depths([PREFILL_QUEUE]))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the broker reconnects; keep the last reading
+                log.debug("backlog poll failed", error=str(exc))
+            await asyncio.sleep(BACKLOG_POLL_INTERVAL_S)
 
     async def on_request(self, message: AbstractIncomingMessage) -> None:
         arrival = time.time()
@@ -62,6 +81,11 @@ class TokenizerService:
         except Exception:  # a tokenizer bug must not kill the consumer or lose the request
             log.exception("tokenization failed", request_id=request_id)
             await self._reply_error(message, request_id, ErrorCode.INTERNAL, "tokenization failed")
+            return
+        if not self.admission.admit():
+            await self._reply_error(
+                message, request_id, ErrorCode.OVERLOADED, self.admission.reason()
+            )
             return
         await self._forward(message, req, token_ids, arrival)
 
