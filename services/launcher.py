@@ -125,6 +125,10 @@ class ServiceProcesses:
     def amqp_url(self) -> str:
         return self._system.amqp_url
 
+    @property
+    def spill_dir(self) -> str:
+        return self._system.spill_dir
+
     def start(self, name: str) -> None:
         log = open(self._system.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(
