@@ -10,7 +10,6 @@ is one of the contract's error codes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -363,6 +362,3 @@ def decode_reply(body: bytes, max_bytes: int = 64 << 20) -> Reply:
     except TypeError as exc:
         raise ProtocolError(ErrorCode.INTERNAL, f"malformed {d['type']} reply: {exc}") from None
 
-
-def finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))
