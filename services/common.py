@@ -72,3 +72,4 @@ async def run_until_signalled(service: Service) -> None:
     await stop.wait()
     log.info("service stopping", service=service.name)
     await service.stop()
+    log.info("service stopped", service=service.name)
