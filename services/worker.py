@@ -196,6 +196,17 @@ class EngineService(ABC):
                 log.exception("engine loop error", service=self.name)
                 await asyncio.sleep(0.1)
 
+    def is_stale(self, request_id: str, deadline: float | None, now: float) -> bool:
+        """Work that must not start: a duplicate of a request already here (a redelivery), or
+        one cancelled or past its deadline (the detokenizer answers those itself)."""
+        expired = deadline is not None and now >= deadline
+        return request_id in self.work or request_id in self.shell.aborted or expired
+
+    async def refuse(self, item: Intake, code: ErrorCode, message: str) -> None:
+        """Answer a request this engine can never serve, and drop its message."""
+        await self.publish_events([error_event(item.msg.request_id, code, message)])
+        await item.delivery.ack()
+
     async def fail_requests(self, request_ids: list[str], reason: str) -> None:
         """A forward failed: end its requests with an ``internal`` error rather than retrying a
         batch that may fail forever; every other request keeps being served."""

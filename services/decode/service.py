@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from services.worker import EngineService, Intake, error_event, requeue, sampling_params
+from services.worker import EngineService, Intake, requeue, sampling_params
 from shared.broker import DECODE_QUEUE
 from shared.config import BatonConfig
 from shared.engine.model_runner import ModelRunner
@@ -84,8 +84,9 @@ class DecodeService(EngineService):
             item = self.shell.incoming.popleft()
             msg: HandoffMsg = item.msg
             rid = msg.request_id
-            expired = msg.deadline is not None and now >= msg.deadline
-            if rid in self.work or rid in self.shell.aborted or expired:
+            if self.is_stale(rid, msg.deadline, now):
+                # A duplicate's entry may be the one its running original still needs: keep it
+                # (an unloaded entry is reclaimed as an orphan).
                 if msg.kv is not None and rid not in self.work:
                     self.transport.discard(msg.kv)
                 await item.delivery.ack()
@@ -100,9 +101,7 @@ class DecodeService(EngineService):
                 block_size=self.config.block_size,
             )
             if not self.scheduler.add(seq):
-                event = error_event(rid, ErrorCode.PROMPT_TOO_LONG, "sequence exceeds the KV cache")
-                await self.shell.publish_events([event])
-                await item.delivery.ack()
+                await self.refuse(item, ErrorCode.PROMPT_TOO_LONG, "sequence exceeds the KV cache")
                 continue
             self.work[rid] = item
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.worker import EngineService, Intake, error_event, requeue, sampling_params
+from services.worker import EngineService, Intake, requeue, sampling_params
 from shared.broker import DECODE_QUEUE, PREFILL_QUEUE, Outgoing
 from shared.config import BatonConfig
 from shared.engine.model_runner import ModelRunner
@@ -70,11 +70,8 @@ class PrefillService(EngineService):
             item = self.shell.incoming.popleft()
             msg: PrefillMsg = item.msg
             rid = msg.request_id
-            if rid in self.work:  # a redelivered duplicate of a request already here
+            if self.is_stale(rid, msg.deadline, now):
                 await item.delivery.ack()
-                continue
-            if rid in self.shell.aborted or (msg.deadline is not None and now >= msg.deadline):
-                await item.delivery.ack()  # the detokenizer answers cancels and timeouts
                 continue
             seq = Sequence(
                 rid,
@@ -85,9 +82,7 @@ class PrefillService(EngineService):
                 block_size=self.config.block_size,
             )
             if not self.scheduler.fits_ever(seq):
-                event = error_event(rid, ErrorCode.PROMPT_TOO_LONG, "prompt exceeds the KV cache")
-                await self.shell.publish_events([event])
-                await item.delivery.ack()
+                await self.refuse(item, ErrorCode.PROMPT_TOO_LONG, "prompt exceeds the KV cache")
                 continue
             self.work[rid] = item
             self.scheduler.add(seq)
