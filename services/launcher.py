@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from shared.config import DEFAULT_AMQP_URL, REPO_ROOT
+from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
 
 
 def rabbitmqctl(*args: str) -> bool:
@@ -128,6 +128,10 @@ class ServiceProcesses:
     @property
     def spill_dir(self) -> str:
         return self._system.spill_dir
+
+    def config(self) -> BatonConfig:
+        """The configuration the child services run with (to run one in this process)."""
+        return BatonConfig.from_env(self._system.env)
 
     def start(self, name: str) -> None:
         log = open(self._system.log_path, "ab")  # noqa: SIM115 - owned by the child

@@ -10,24 +10,16 @@ from typing import Any
 import pytest
 
 from services.__main__ import build
-from services.launcher import ServiceProcesses, fresh_vhost
 from shared.client import BatonClient
-from shared.config import BatonConfig
 from shared.protocol import DoneReply, ErrorReply
+from tests.fault.harness import service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 async def test_decode_service_survives_a_failed_step() -> None:
-    env = {"BATON_KV_CACHE_MB": "32", "BATON_METRICS_PORT": "0"}
-    with fresh_vhost(prefix="baton-fault") as url:
-        procs = ServiceProcesses(url, env=env)
-        for name in ("tokenizer", "prefill", "detokenizer"):
-            procs.start(name)
-        config = BatonConfig.from_env(
-            {**env, "BATON_AMQP_URL": url, "BATON_SPILL_DIR": procs.spill_dir}
-        )
-        decode: Any = build("decode", config)
+    with service_processes(start=("tokenizer", "prefill", "detokenizer")) as procs:
+        decode: Any = build("decode", procs.config())
         real_decode = decode.runner.decode
         failures = 0
 
@@ -43,42 +35,32 @@ async def test_decode_service_survives_a_failed_step() -> None:
         try:
             await procs.wait_ready()  # its probe request is the one that meets the fault
             assert failures == 1
-            async with await BatonClient.connect(url) as client:
+            async with await BatonClient.connect(procs.amqp_url) as client:
                 ok = await client.generate("after the fault", max_tokens=8, ignore_eos=True)
                 assert isinstance(ok, DoneReply) and len(ok.token_ids) == 8
             assert not decode.work and decode.block_manager.num_used_blocks == 0
         finally:
             await decode.stop()
-            procs.stop()
 
 
 async def test_requests_of_a_failed_step_get_internal_error() -> None:
     """With every step failing, a request is answered `internal` (not left hanging)."""
-    env = {"BATON_KV_CACHE_MB": "32", "BATON_METRICS_PORT": "0"}
-    with fresh_vhost(prefix="baton-fault") as url:
-        procs = ServiceProcesses(url, env=env)
-        procs.start_all()
+    with service_processes() as procs:
+        await procs.wait_ready()
+        procs.kill("decode")
+        decode: Any = build("decode", procs.config())
+
+        def always_fail(seqs: Any) -> Any:
+            raise RuntimeError("injected fault")
+
+        decode.runner.decode = always_fail
+        await decode.start()
         try:
-            await procs.wait_ready()
-            procs.kill("decode")
-            config = BatonConfig.from_env(
-                {**env, "BATON_AMQP_URL": url, "BATON_SPILL_DIR": procs.spill_dir}
-            )
-            decode: Any = build("decode", config)
-
-            def always_fail(seqs: Any) -> Any:
-                raise RuntimeError("injected fault")
-
-            decode.runner.decode = always_fail
-            await decode.start()
-            try:
-                async with await BatonClient.connect(url) as client:
-                    reply = await asyncio.wait_for(
-                        client.generate("doomed", max_tokens=8, ignore_eos=True), 60
-                    )
-                assert isinstance(reply, ErrorReply) and reply.code == "internal"
-                assert "decode failed" in reply.message
-            finally:
-                await decode.stop()
+            async with await BatonClient.connect(procs.amqp_url) as client:
+                reply = await asyncio.wait_for(
+                    client.generate("doomed", max_tokens=8, ignore_eos=True), 60
+                )
+            assert isinstance(reply, ErrorReply) and reply.code == "internal"
+            assert "decode failed" in reply.message
         finally:
-            procs.stop()
+            await decode.stop()

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from services.launcher import ServiceProcesses, fresh_vhost
 from shared.client import BatonClient
 from shared.protocol import DoneReply, TokenReply
+from tests.fault.harness import service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,28 +40,23 @@ async def _run_all(client: BatonClient, seen: list[int]) -> list[DoneReply]:
 
 
 async def test_decode_killed_mid_generation_loses_nothing() -> None:
-    with fresh_vhost(prefix="baton-fault") as url:
-        procs = ServiceProcesses(url, env={"BATON_KV_CACHE_MB": "32", "BATON_METRICS_PORT": "0"})
-        procs.start_all()
-        try:
-            await procs.wait_ready()
-            async with await BatonClient.connect(url) as client:
-                reference = await _run_all(client, [0] * len(PROMPTS))
+    with service_processes() as procs:
+        await procs.wait_ready()
+        async with await BatonClient.connect(procs.amqp_url) as client:
+            reference = await _run_all(client, [0] * len(PROMPTS))
 
-                seen = [0] * len(PROMPTS)
-                run = asyncio.create_task(_run_all(client, seen))
-                deadline = time.monotonic() + 60
-                while min(seen) < 20 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                assert min(seen) >= 20, "generation did not start"
-                assert max(seen) < MAX_TOKENS, "finished before the crash: raise MAX_TOKENS"
-                procs.kill("decode")
-                await asyncio.sleep(0.5)
-                procs.start("decode")
-                crashed = await asyncio.wait_for(run, 240)
-            log = procs.tail(400)
-        finally:
-            procs.stop()
+            seen = [0] * len(PROMPTS)
+            run = asyncio.create_task(_run_all(client, seen))
+            deadline = time.monotonic() + 60
+            while min(seen) < 20 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert min(seen) >= 20, "generation did not start"
+            assert max(seen) < MAX_TOKENS, "finished before the crash: raise MAX_TOKENS"
+            procs.kill("decode")
+            await asyncio.sleep(0.5)
+            procs.start("decode")
+            crashed = await asyncio.wait_for(run, 240)
+        log = procs.tail(400)
 
     # the new decode worker got the redelivered handoffs and rebuilt their KV itself
     assert "KV entry gone, recomputing" in log
