@@ -21,7 +21,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from shared.engine.attention_triton import TritonAttentionBackend
+from shared.engine.attention_triton import TritonAttentionBackend, block_table_tensor
 
 log = structlog.get_logger(__name__)
 
@@ -204,8 +204,7 @@ class TorchAttentionBackend:
         dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
         batch, context = len(context_lens), max(context_lens)
         max_blocks = (context + bs - 1) // bs
-        padded = [bt[:max_blocks] + [0] * (max_blocks - len(bt)) for bt in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int64, device=dev)
+        tables = block_table_tensor(block_tables, max_blocks, torch.int64, dev)
         slots = (tables[:, :, None] * bs + self._block_offsets).view(batch, -1)[:, :context]
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
         padding = torch.arange(context, device=dev) >= lens[:, None]

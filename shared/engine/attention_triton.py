@@ -13,6 +13,15 @@ from typing import Any
 import torch
 
 
+def block_table_tensor(
+    block_tables: list[list[int]], width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``[B, width]`` block tables, cut or padded with block 0 (padding is never read: every
+    backend masks positions past a sequence's context length)."""
+    padded = [bt[:width] + [0] * (width - len(bt)) for bt in block_tables]
+    return torch.tensor(padded, dtype=dtype, device=device)
+
+
 @dataclass
 class TritonDecodeMetadata:
     slot_mapping: torch.Tensor
@@ -74,8 +83,7 @@ class TritonAttentionBackend:
 
     def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
         width = max(len(bt) for bt in block_tables)
-        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
-        return torch.tensor(padded, dtype=torch.int32, device=self.device)
+        return block_table_tensor(block_tables, width, torch.int32, self.device)
 
     def decode_metadata(
         self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
