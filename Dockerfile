@@ -57,7 +57,7 @@ USER baton
 # is built here, once: every container of the stack (tokenizer, prefill, N decode replicas,
 # detokenizer) then starts with the same bytes instead of each building its own copy at start.
 # A real model is never baked in: mount it and point BATON_MODEL at it.
-RUN python -m shared.tiny_model --preset tiny --arch llama --out /app/models/tiny
+RUN python -m shared.models.tiny --preset tiny --arch llama --out /app/models/tiny
 
 # Never reach a model hub at run time; BATON_MODEL must be a local directory.
 ENV HF_HUB_OFFLINE=1 \
@@ -71,7 +71,7 @@ EXPOSE 9500
 # Liveness: GET /health on the service's metrics port (BATON_METRICS_PORT; 0 = no server,
 # reported unhealthy). The probe is stdlib-only Python, so the image needs no curl.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-m", "shared.http_server", "/health"]
+    CMD ["python", "-m", "shared.observability.http_server", "/health"]
 
 ENTRYPOINT ["python", "-m", "services"]
 CMD ["up"]

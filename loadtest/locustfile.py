@@ -35,17 +35,17 @@ from locust.env import Environment
 
 from loadtest.workload import LoadMix, Slo, Stat, random_token_ids, read_vocab
 from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
-from shared.protocol import (
+from shared.wire.messages import (
     DoneReply,
     ErrorReply,
     ProtocolError,
     RequestMsg,
-    Sampling,
+    SamplingParams,
     TokenReply,
     decode_reply,
 )
+from shared.wire.queues import REQUESTS_QUEUE
 
-REQUESTS_QUEUE = "baton.requests"  # the contract's queue (shared.broker imports aio-pika)
 logging.getLogger("pika").setLevel(logging.WARNING)  # pika logs every connection step at INFO
 
 
@@ -94,7 +94,7 @@ class BatonUser(User):
         if ex is None or props.correlation_id != ex.request_id:
             return  # a late reply of a request that already timed out
         try:
-            reply = decode_reply(body)
+            reply = decode_reply(body, BatonConfig().max_message_bytes)
         except ProtocolError as exc:
             ex.bad_reply = str(exc)
             return
@@ -110,7 +110,7 @@ class BatonUser(User):
         ex = self.current = _Exchange(uuid.uuid4().hex)
         body = RequestMsg(
             request_id=ex.request_id,
-            sampling=Sampling(max_tokens=out_len, ignore_eos=True),
+            sampling=SamplingParams(max_tokens=out_len, ignore_eos=True),
             prompt_token_ids=random_token_ids(self.rng, in_len, self.vocab_size, self.special),
             priority=priority,
         ).encode()

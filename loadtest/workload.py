@@ -309,6 +309,28 @@ def format_summary(s: Summary, title: str, slo: Slo) -> str:
     return "\n".join(lines)
 
 
+def greedy_agreement(
+    ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]
+) -> dict[str, float]:
+    """How far two systems' greedy outputs for the same prompts agree, request by request.
+
+    ``exact``: fraction of requests with identical outputs; ``prefix``: mean fraction of each
+    reference output (``theirs``) produced before the first difference. fp32 greedy decoding
+    with different kernels can flip a near-tie and diverge from there, so ``prefix`` < 1 is not
+    by itself a bug; a low value on the first tokens is."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} outputs against {len(theirs)}")
+    if not theirs:
+        return {"exact": math.nan, "prefix": math.nan, "requests": 0}
+    exact, prefix = 0, 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        pairs = zip(a, b, strict=False)
+        same = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
+        exact += list(a) == list(b)
+        prefix += same / len(b) if b else float(not a)
+    return {"exact": exact / len(theirs), "prefix": prefix / len(theirs), "requests": len(theirs)}
+
+
 # --- compute ---------------------------------------------------------------------------------
 
 

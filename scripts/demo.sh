@@ -9,9 +9,9 @@ pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
 echo "Baton is starting (logs: $log)..."
 for i in $(seq 1 90); do
-  if "$PY" -m shared.cli "ready?" --max-tokens 1 --no-stream --wait-s 5 >/dev/null 2>&1; then break; fi
+  if "$PY" -m shared.client.cli "ready?" --max-tokens 1 --no-stream --wait-s 5 >/dev/null 2>&1; then break; fi
   if ! kill -0 $pid 2>/dev/null; then echo "Baton exited; see $log" >&2; tail -20 "$log" >&2; exit 1; fi
   [ "$i" = 90 ] && { echo "Baton did not become ready; see $log" >&2; exit 1; }
   sleep 2
 done
-"$PY" -m shared.cli --demo
+"$PY" -m shared.client.cli --demo

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GPU check for kernels/: the kernel tests compiled for the GPU at full size, then the
-# benchmarks. Meant for a lent H200 (torch + triton preinstalled); run from anywhere:
+# GPU check: the kernel tests compiled for the GPU at full size, the kernel benchmarks, and the
+# cuda-ipc KV handoff between two real processes (1k tokens of a Llama-3.1-8B-shaped KV, bf16:
+# bytes checked equal, time per handoff). Meant for a lent H200 (torch + triton preinstalled):
 #     OUT=/some/dir scripts/gpu_check.sh
-# Writes under $OUT (default ./out): env.txt, pytest.xml, pytest.log, bench.json, bench.log.
-# Budget: under 6 minutes (pytest capped at 240 s, bench at 100 s). Exit status: pytest's,
-# else the bench's.
+# Writes under $OUT (default ./out): env.txt, pytest.xml, pytest.log, bench.json, bench.log,
+# cuda_ipc.log. Budget: under 7 minutes (pytest 240 s, bench 100 s, cuda-ipc 60 s). Exit status:
+# the first failure of pytest, the bench, the cuda-ipc check.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -45,7 +46,15 @@ timeout 100 "$PY" -m kernels.bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/benc
 bench_rc=${PIPESTATUS[0]}
 echo "bench exit $bench_rc after $(($(date +%s) - start)) s"
 
-if [ "$test_rc" -ne 0 ]; then
-    exit "$test_rc"
-fi
-exit "$bench_rc"
+# The same-node GPU handoff (shared/kv_transfer/cuda_ipc.py): two processes, one CUDA IPC export.
+start=$(date +%s)
+timeout 60 "$PY" -m shared.kv_transfer.cuda_ipc --selftest 2>&1 | tee "$OUT/cuda_ipc.log"
+ipc_rc=${PIPESTATUS[0]}
+echo "cuda-ipc selftest exit $ipc_rc after $(($(date +%s) - start)) s"
+
+for rc in "$test_rc" "$bench_rc" "$ipc_rc"; do
+    if [ "$rc" -ne 0 ]; then
+        exit "$rc"
+    fi
+done
+exit 0

@@ -15,3 +15,14 @@ if ! command -v docker-compose >/dev/null && command -v apt-get >/dev/null && [ 
     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1)) \
     || echo "note: docker-compose not installed; the compose tests will be skipped" >&2
 fi
+# Mooncake's transfer engine (BATON_KV_TRANSPORT=mooncake, the multi-node tests), CPU build: its
+# library links libibverbs even for TCP. Optional: without it those tests skip with a reason.
+if ! "$PY" -c "import mooncake.engine" 2>/dev/null; then
+  if ! ldconfig -p | grep -q libibverbs.so.1 && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q libibverbs1 ibverbs-providers >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 \
+          && apt-get install -y -q libibverbs1 ibverbs-providers >/dev/null 2>&1)) || true
+  fi
+  "$PY" -m pip install -q mooncake-transfer-engine-non-cuda \
+    || echo "note: mooncake not installed; the multi-node tests will be skipped" >&2
+fi

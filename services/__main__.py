@@ -1,4 +1,7 @@
-"""``python -m services up`` (all four as child processes) or ``python -m services <name>``."""
+"""Run Baton's services: ``python -m services up`` (all, as child processes) or one by name.
+
+The services and their order come from the registry (``services/shell/registry.py``).
+"""
 
 from __future__ import annotations
 
@@ -12,47 +15,15 @@ import time
 
 import structlog
 
+from services.shell.registry import NAMES, SERVICES, port_offset, spec
 from shared.config import BatonConfig
-from shared.logging import configure_logging
+from shared.observability.logging import configure_logging
 
-SERVICES = ("tokenizer", "prefill", "decode", "detokenizer")
 log = structlog.get_logger("services")
 
 
-def build(name: str, config: BatonConfig):  # type: ignore[no-untyped-def]
-    """Construct one service (imports are local: a tokenizer process never loads torch)."""
-    from services.common import resolve_model_dir
-
-    model_dir = resolve_model_dir(config)
-    if name == "tokenizer":
-        from services.tokenizer.core import PromptEncoder
-        from services.tokenizer.service import TokenizerService
-
-        return TokenizerService(config, PromptEncoder(model_dir, config))
-    if name == "detokenizer":
-        from services.detokenizer.service import DetokenizerService
-
-        return DetokenizerService(config, model_dir)
-    import torch
-
-    from shared.engine.model_runner import ModelRunner
-    from shared.kv_transport import make_transport
-
-    threads = config.prefill_torch_threads if name == "prefill" else config.decode_torch_threads
-    torch.set_num_threads(threads if threads > 0 else max(1, (os.cpu_count() or 2) // 2))
-    runner = ModelRunner(config, model_dir)
-    transport = make_transport(config)
-    if name == "prefill":
-        from services.prefill.service import PrefillService
-
-        return PrefillService(config, runner, transport)
-    from services.decode.service import DecodeService
-
-    return DecodeService(config, runner, transport)
-
-
 def run_one(name: str, config: BatonConfig) -> None:
-    from services.common import run_until_signalled
+    from services.shell.common import run_until_signalled
 
     configure_logging(config.log_level, config.log_format, service=name)
     try:
@@ -61,28 +32,41 @@ def run_one(name: str, config: BatonConfig) -> None:
         uvloop.install()
     except ImportError:
         pass
-    service = build(name, config)
+    if spec(name).runs_model:
+        import torch
+
+        threads = getattr(config, f"{name}_torch_threads")  # 0: half the cores (see config.py)
+        torch.set_num_threads(threads if threads > 0 else max(1, (os.cpu_count() or 2) // 2))
+    service = spec(name).build(config)
     asyncio.run(run_until_signalled(service))
 
 
 def run_all(config: BatonConfig) -> int:
-    """Start the four services as children; stop them all on Ctrl-C/SIGTERM or if one dies."""
+    """Start every service as a child. Stop them all on Ctrl-C/SIGTERM or when one fails; one
+    that exits 0 (drained) is let go, and ``up`` ends when none is left."""
     configure_logging(config.log_level, config.log_format, service="up")
-    from services.common import resolve_model_dir
+    from services.shell.common import resolve_model_dir
 
-    resolve_model_dir(config)  # build the tiny model once, before four processes race for it
+    resolve_model_dir(config)  # build the tiny model once, before the services race for it
     children: dict[str, subprocess.Popen[bytes]] = {}
-    for offset, name in enumerate(SERVICES):
+    for s in SERVICES:
+        if not s.available():
+            continue
         env = dict(os.environ)
-        if name in ("prefill", "decode"):
+        if s.runs_model:
             # glibc returns big freed buffers to the OS and faults them back in on the next
             # forward (10-40 ms per prefill batch here); keep them in the process instead.
             env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
             env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
-        if config.metrics_port:
-            env["BATON_METRICS_PORT"] = str(config.metrics_port + offset)
-        cmd = [sys.executable, "-m", "services", name, *_passthrough_args()]
-        children[name] = subprocess.Popen(cmd, env=env)
+        # Each service as its own broker user when given one (services/shell/permissions.py
+        # apply prints these); otherwise every child shares BATON_AMQP_URL.
+        own_url = os.environ.get(f"BATON_{s.name.upper()}_AMQP_URL")
+        if own_url:
+            env["BATON_AMQP_URL"] = own_url
+        if config.metrics_port and s.metrics_endpoint:
+            env["BATON_METRICS_PORT"] = str(config.metrics_port + port_offset(s.name))
+        cmd = [sys.executable, "-m", "services", s.name, *_passthrough_args()]
+        children[s.name] = subprocess.Popen(cmd, env=env)
     log.info("services started", pids={n: p.pid for n, p in children.items()})
     stopping = False
 
@@ -93,17 +77,23 @@ def run_all(config: BatonConfig) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     code = 0
-    while not stopping:
-        for name, proc in children.items():
-            if proc.poll() is not None:
+    running = dict(children)
+    while running and not stopping:
+        for name, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            if proc.returncode == 0:
+                log.info("service finished", service=name)
+            else:
                 log.error("service exited; stopping the others", service=name, code=proc.returncode)
                 stopping, code = True, 1
         time.sleep(0.2)
-    for proc in children.values():
+    for proc in running.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
-    for proc in children.values():
+    for proc in running.values():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -117,11 +107,17 @@ def _passthrough_args() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Idle OpenMP workers must sleep, not spin: four services and the broker share the cores.
+    # Idle OpenMP workers must sleep, not spin: the services and the broker share the cores.
     # (Read by the OpenMP runtime when torch loads, so it must be set before that.)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    parser = argparse.ArgumentParser(prog="python -m services", description=__doc__)
-    parser.add_argument("service", choices=("up", *SERVICES))
+    services = "\n".join(f"  {s.name:<12} {s.summary}" for s in SERVICES)
+    parser = argparse.ArgumentParser(
+        prog="python -m services",
+        description=__doc__,
+        epilog=f"services, in start order:\n{services}\n  {'up':<12} all of them",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("service", choices=("up", *NAMES), help="a service, or up for all")
     BatonConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     config = BatonConfig.from_args(args)

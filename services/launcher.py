@@ -1,8 +1,9 @@
 """Start a whole local Baton (``python -m services up``) in its own RabbitMQ vhost.
 
-Used by the integration tests and the benchmark: each run gets a fresh vhost, so runs never see
-each other's queues, and the vhost (with everything in it) is deleted afterwards. Without
-``rabbitmqctl`` (e.g. a remote broker) the given URL is used as is.
+Used by the integration and fault tests and the benchmark (``loadtest/bench.py``): each run gets
+a fresh vhost, so runs never see each other's queues, and the vhost (with everything in it) is
+deleted afterwards. Without ``rabbitmqctl`` (e.g. a remote broker) the given URL is used as is.
+The services started are the registry's (``services/shell/registry.py``).
 """
 
 from __future__ import annotations
@@ -11,16 +12,39 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from services.shell.registry import PIPELINE, port_offset, spec
 from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on loopback (``up`` gives each service with
+    a metrics endpoint one, at base + its registry offset)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n < 65535 and all(_is_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def rabbitmqctl(*args: str) -> bool:
@@ -32,21 +56,26 @@ def rabbitmqctl(*args: str) -> bool:
 
 @contextmanager
 def fresh_vhost(base_url: str = DEFAULT_AMQP_URL, prefix: str = "baton-test") -> Iterator[str]:
-    """Yield an AMQP URL of a new vhost (deleted on exit), or ``base_url`` if one can't be made."""
+    """Yield an AMQP URL of a new vhost (deleted on exit), or ``base_url`` if one can't be made.
+
+    A vhost already in ``base_url`` is replaced (the new one sits beside it on the same broker)."""
     vhost = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    user = base_url.split("://", 1)[1].split(":", 1)[0]
+    scheme, rest = base_url.split("://", 1)
+    server = rest.split("/", 1)[0]  # user:password@host:port
+    user = server.split(":", 1)[0]
     made = rabbitmqctl("add_vhost", vhost) and rabbitmqctl(
         "set_permissions", "-p", vhost, user, ".*", ".*", ".*"
     )
     try:
-        yield base_url.rstrip("/") + "/" + vhost if made else base_url
+        yield f"{scheme}://{server}/{vhost}" if made else base_url
     finally:
         if made:
             rabbitmqctl("delete_vhost", vhost)
 
 
 class LocalSystem:
-    """The four services as one ``python -m services up`` child process."""
+    """Every service as one ``python -m services up`` child process (its own session, so a stop
+    that has to kill takes the services with it)."""
 
     def __init__(
         self, amqp_url: str, env: dict[str, str] | None = None, log_path: Path | None = None
@@ -60,41 +89,31 @@ class LocalSystem:
             "BATON_AMQP_URL": amqp_url,
             "BATON_SPILL_DIR": self.spill_dir,
             "BATON_LOG_FORMAT": "json",
+            "BATON_GATEWAY_PORT": "0",  # any free port: never a clash with a real gateway
             **(env or {}),
         }
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="baton-system-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
+        self.killed = False  # stop() had to SIGKILL
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services", "up"],
             cwd=REPO_ROOT,
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Until a real request is answered end to end (every service is up)."""
-        from shared.client import BatonClient, BatonUnavailable
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"baton exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                async with await BatonClient.connect(self.amqp_url) as client:
-                    reply = await client.generate("ready?", max_tokens=2, wait_s=10)
-                    if reply.type == "done":
-                        return
-            except (BatonUnavailable, asyncio.TimeoutError, ConnectionError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"baton not ready after {timeout_s}s:\n{self.tail()}")
-            await asyncio.sleep(1.0)
+        await wait_served(self.amqp_url, timeout_s, self.proc, self.tail)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM (the services stop cleanly), SIGKILL to the whole group after ``timeout_s``."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -102,7 +121,8 @@ class LocalSystem:
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.killed = True
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         shutil.rmtree(self.spill_dir, ignore_errors=True)
         return self.proc.returncode
@@ -114,8 +134,33 @@ class LocalSystem:
             return ""
 
 
+async def wait_served(
+    amqp_url: str,
+    timeout_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    tail: Callable[[], str] = lambda: "",
+) -> None:
+    """Until a real request is answered end to end (every pipeline service is up)."""
+    from shared.client import BatonClient, BatonUnavailable
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"baton exited with {proc.returncode}:\n{tail()}")
+        try:
+            async with await BatonClient.connect(amqp_url) as client:
+                reply = await client.generate("ready?", max_tokens=2, wait_s=10)
+                if reply.type == "done":
+                    return
+        except (BatonUnavailable, asyncio.TimeoutError, ConnectionError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"baton not ready after {timeout_s}s:\n{tail()}")
+        await asyncio.sleep(1.0)
+
+
 class ServiceProcesses:
-    """The four services as separate processes, so a test can kill and restart one of them."""
+    """Each service as its own process, so a test can kill, restart or drain one of them."""
 
     def __init__(self, amqp_url: str, env: dict[str, str] | None = None):
         self._system = LocalSystem(amqp_url, env)  # shares its env, spill dir and log file
@@ -133,28 +178,43 @@ class ServiceProcesses:
         """The configuration the child services run with (to run one in this process)."""
         return BatonConfig.from_env(self._system.env)
 
-    def start(self, name: str) -> None:
+    def metrics_port(self, name: str) -> int:
+        """Where ``name`` serves /metrics, /health, /ready (0: none), as ``services up`` does."""
+        base = self.config().metrics_port
+        return base + port_offset(name) if base and spec(name).metrics_endpoint else 0
+
+    def start(
+        self, name: str, *, instance: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        """Start service ``name`` as process ``instance`` (default: the service's name; give a
+        second instance its own, e.g. ``detokenizer-2``, to run replicas). ``env`` overrides the
+        system's environment for this process alone (a per-service broker user, say). A replica
+        serves no metrics endpoint of its own: the ports are one per service."""
         log = open(self._system.log_path, "ab")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen(
+        key = instance or name
+        port = self.metrics_port(name) if key == name else 0
+        child_env = {**self._system.env, "BATON_METRICS_PORT": str(port), **(env or {})}
+        self.procs[key] = subprocess.Popen(
             [sys.executable, "-m", "services", name],
             cwd=REPO_ROOT,
-            env=self._system.env,
+            env=child_env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
 
-    def start_all(self) -> None:
-        for name in ("tokenizer", "prefill", "decode", "detokenizer"):
+    def start_all(self, names: Iterable[str] = PIPELINE) -> None:
+        for name in names:
             self.start(name)
 
     def kill(self, name: str) -> None:
-        """SIGKILL: no cleanup, no acks — what a crash looks like to the broker."""
+        """SIGKILL process ``name`` (a service or an instance name): no cleanup, no acks — what a
+        crash looks like to the broker."""
         proc = self.procs.pop(name)
         proc.kill()
         proc.wait()
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:
-        await self._system.wait_ready(timeout_s)
+        await wait_served(self.amqp_url, timeout_s, tail=self.tail)
 
     def stop(self) -> None:
         for proc in self.procs.values():

@@ -11,12 +11,13 @@ import dataclasses
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The built-in tiny model is built on first use into this folder (deterministic, see
-# shared/tiny_model.py); BATON_MODEL points anywhere else at a local Hugging Face directory.
+# shared/models/tiny/builder.py); BATON_MODEL points at any local Hugging Face directory.
+
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny"
 
 
@@ -24,13 +25,21 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny"
 class BatonConfig:
     # --- broker -------------------------------------------------------------------------------
     amqp_url: str = DEFAULT_AMQP_URL
+    # Broker users that may publish internal work (comma-separated; "" = no check, for one shared
+    # user in development). A service dead-letters work from anyone else: RabbitMQ vouches for
+    # a message's user_id, and any user that may publish to the default exchange reaches every
+    # queue. `python -m services.shell.permissions apply` prints the value for its users.
+    trusted_publishers: str = ""
     # Largest message body any service will unpack; everything bigger is refused unread.
     max_message_bytes: int = 1 << 20
+    # A work message whose deliveries ended this many times without it being finished (its
+    # workers crashed or lost their channel each time) is poison: answered ``internal`` and
+    # dead-lettered to baton.dead.
+    max_delivery_failures: int = 4
     # --- model --------------------------------------------------------------------------------
     model: str = ""  # "" = the built-in tiny model (built on first use)
     device: str = "cpu"
     dtype: str = "float32"
-    seed: int = 0
     # torch intra-op threads of each engine service; 0 = auto: half the cores each (prefill and
     # decode usually share one machine with the broker). Measured on 2 cores: one thread each gives
     # ~20% more end-to-end throughput than two each, which mostly spin against each other.
@@ -49,6 +58,10 @@ class BatonConfig:
     # 0 = derive from kv_cache_mb; otherwise an exact count.
     num_kv_blocks: int = 0
     kv_cache_mb: int = 256
+    # "auto": K/V in the model's dtype (exact, the parity contract); "int8": int8 values with a
+    # per-(token, head) fp32 scale, ~1/4 of fp32's bytes (shared/engine/kv_codec.py). Prefill and
+    # decode must agree: a handoff between different caches is refused, never converted.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # --- prefill scheduling -------------------------------------------------------------------
     # Token budget of one prefill forward (short prompts batched, long ones chunked to fit).
@@ -58,8 +71,46 @@ class BatonConfig:
     prefill_batch_wait_s: float = 0.004
     # --- decode scheduling --------------------------------------------------------------------
     max_num_seqs: int = 128
-    # Decode stops taking handoffs when its waiting queue holds this many.
-    decode_max_waiting: int = 256
+    # How decode preempts when KV blocks run short: "swap" copies the victim's KV to the spill
+    # store and hands the request back to baton.decode, for any decode worker with room to resume
+    # with no recompute (docs/scheduling.md); "recompute" frees it and rebuilds its KV here later.
+    # Swap falls back to recompute while the spill store is full.
+    decode_preemption: str = "swap"
+    # --- scheduling policy (shared/scheduling/policy.py; docs/scheduling.md) -------------------
+    # How often the tokenizer and prefill read the broker's queue depths (passive declares) and
+    # prefill the spill store's size.
+    policy_poll_interval_s: float = 0.25
+    # The tokenizer also answers ``overloaded`` while baton.decode holds this many handoffs.
+    max_decode_backlog: int = 10_000
+    # Messages the tokenizer works on at once: few, so that the broker, not the tokenizer, holds
+    # a flood and a high-priority request overtakes it there.
+    tokenizer_prefetch: int = 8
+    # Aging: a waiting request gains priority with its wait. Once it has waited
+    # priority_aging_multiple x the median wait of recent requests at that stage (never less than
+    # priority_aging_min_s), a priority-0 request ranks with a fresh priority-9 one, and ahead of
+    # everything that arrives later: no request waits more than a bounded multiple of the median.
+    # 0 = no aging.
+    priority_aging_multiple: float = 4.0
+    priority_aging_min_s: float = 2.0
+    # Shortest job first under pressure: while baton.prefill holds short_boost_backlog requests
+    # or more, a prompt shorter than short_prompt_tokens gains up to short_prompt_boost priority
+    # levels (the shorter, the more). short_prompt_boost 0 = off.
+    short_boost_backlog: int = 32
+    short_prompt_tokens: int = 256
+    short_prompt_boost: float = 2.0
+    # Prefill slows its intake as baton.decode or the spill store fills: from half of these
+    # limits its prefetch shrinks, and at them it starts no new prompt until they drain below
+    # 90% (rather than hand off without KV).
+    prefill_pause_decode_backlog: int = 2048
+    prefill_pause_spill_fraction: float = 0.8
+    # Decode's prefetch is its free batch slots plus this many: the broker's highest-priority
+    # handoffs wait in decode, ready to preempt; the rest of the backlog stays in the broker.
+    decode_prefetch_headroom: int = 2
+    # Default deadline by length: base + per prompt token + per output token (max_tokens), in
+    # seconds; a client's timeout_s may shorten it. base 0 = no default (only timeout_s applies).
+    default_timeout_base_s: float = 120.0
+    default_timeout_per_prompt_token_s: float = 0.01
+    default_timeout_per_output_token_s: float = 0.25
     # --- streaming -----------------------------------------------------------------------------
     # A streaming request gets at most one ``token`` reply per interval (its first token and its
     # terminal reply are never delayed). 0 = a reply per decode step. Why not 0 by default: every
@@ -67,8 +118,44 @@ class BatonConfig:
     # model, caps throughput (64 streams at 40 steps/s is 2,560 replies/s); 50 ms is below what
     # a reader notices and cuts that several-fold. TPOT and TTFT are unaffected.
     stream_interval_s: float = 0.05
+    # A budget of token replies per second for each detokenizer replica, over all its streams:
+    # while num_streams / budget exceeds stream_interval_s, that is the interval (500/s: up to
+    # 25 streams keep 50 ms; 64 streams get a reply every 128 ms). Measured on the 64-stream
+    # bench, 3 interleaved runs: 1,951 against 1,853 tok/s without it (within run-to-run noise
+    # on its own; a fixed 150 ms gave +12%). 0 = no budget.
+    max_stream_replies_per_s: float = 500.0
+    # --- detokenizer ---------------------------------------------------------------------------
+    # Shards of the detokenizer's input (queues baton.detok.0..N-1, by request id); every
+    # service must agree on it. Replicas share the shards: each shard has one active consumer
+    # and fails over to a standby replica. More shards than replicas spread the load.
+    detok_shards: int = 2
+    # The shard this replica takes first (the others only after detok_standby_delay_s, as a
+    # standby); None = derived from host name and pid. Give each replica its own in a deployment.
+    detok_home_shard: int | None = None
+    detok_standby_delay_s: float = 1.0
+    # The detokenizer holds each input until its requests are answered (docs/reliability.md):
+    # its prefetch window must exceed what it holds — about one message per decode step of the
+    # longest request plus one registration per request not yet answered. The window only bounds
+    # memory against a flood; if it ever fills, requests end at their deadlines.
+    detok_max_unacked: int = 50_000
     # --- KV transport -------------------------------------------------------------------------
-    kv_transport: str = "shm"  # "shm" | "cuda-ipc"
+    kv_transport: str = "shm"  # "shm" | "pool" (CPU, same node) | "cuda-ipc" | "mooncake"
+    # "spill": a transport that cannot work here falls back to the spill store, counted and
+    # logged; "" (default): it is a start-up error. Never silent.
+    kv_fallback: str = ""
+    # pool/cuda-ipc: how long a sender keeps blocks pinned for a receiver that never releases
+    # them (it died, the request was cancelled). Longer than a handoff waits in decode's queue.
+    kv_lease_s: float = 30.0
+    # Names this prefill worker's pool and release queue; "" = hostname-pid (unique per process).
+    kv_worker_id: str = ""
+    # mooncake (cross-node; shared/kv_transfer/mooncake.py, docs/deploy.md "Multi-node"): the
+    # address other nodes reach this worker's transfer engine on ("" = the address of the
+    # interface of the default route), its protocol ("tcp" | "rdma"), RDMA devices to use
+    # ("" = all found) and the metadata service ("P2PHANDSHAKE": none, peers handshake directly).
+    kv_mooncake_host: str = ""
+    kv_mooncake_protocol: str = "tcp"
+    kv_mooncake_device: str = ""
+    kv_mooncake_metadata: str = "P2PHANDSHAKE"
     spill_dir: str = "/dev/shm/baton"
     spill_max_bytes: int = 4 << 30
     # An entry nobody loaded within this time belonged to a request that died: reclaimed.
@@ -78,6 +165,17 @@ class BatonConfig:
     log_level: str = "info"
     # 0 = no metrics server. Each service adds its own offset (see services/__main__.py).
     metrics_port: int = 0
+    # --- gateway ------------------------------------------------------------------------------
+    # The OpenAI-compatible HTTP gateway (services/gateway, docs/gateway.md).
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000  # 0 = any free port (the bound port is logged)
+    # "" = no auth. Set, every /v1 route needs "Authorization: Bearer <key>". Kept out of repr so
+    # a logged config never shows it.
+    api_key: str = dataclasses.field(default="", repr=False)
+    gateway_max_body_bytes: int = 1 << 20
+    # The gateway refuses to bind a non-loopback host without api_key unless this is set (for a
+    # gateway behind a proxy that authenticates).
+    gateway_allow_no_auth: bool = False
 
     @property
     def model_dir(self) -> Path:
@@ -117,6 +215,11 @@ class BatonConfig:
 
 
 def _parse(kind: Any, raw: str, name: str) -> Any:
+    args = get_args(kind)
+    if len(args) == 2 and type(None) in args:  # ``X | None``: an empty value is None
+        if not raw.strip():
+            return None
+        kind = next(a for a in args if a is not type(None))
     if kind is bool:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):

@@ -19,9 +19,9 @@ import msgpack
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from shared.broker import CONTROL_EXCHANGE, REQUESTS_QUEUE, WORK_QUEUE_ARGS
 from shared.client import BatonClient, BatonUnavailable, Completion
-from shared.protocol import ControlMsg, DoneReply, ErrorReply, TokenReply
+from shared.wire.messages import ControlMsg, DoneReply, ErrorReply, TokenReply
+from shared.wire.queues import CONTROL_EXCHANGE, REQUESTS_QUEUE, WORK_QUEUE_ARGS
 
 pytestmark = pytest.mark.integration
 

@@ -20,11 +20,21 @@ from typing import Any
 import pytest
 import yaml
 
+from services.shell.permissions import ROLES, password_env
+from services.shell.registry import SERVICES
+
 REPO = Path(__file__).resolve().parent.parent
-WORKERS = ("tokenizer", "prefill", "decode", "detokenizer")
+# The registry is the one service list: every registered service is a Compose service of the
+# same name; the pipeline ones are plain workers (metrics port, no host port, scalable).
+REGISTERED = tuple(spec.name for spec in SERVICES)
+WORKERS = tuple(spec.name for spec in SERVICES if spec.pipeline)
 GPU_WORKERS = ("prefill", "decode")
 SECRET = "test-only-3f9a1c"
-SPILL_DIR = "/dev/shm/baton"
+# One broker user per party of services/shell/permissions.py, each with its own password.
+PASSWORDS = {"BATON_RABBITMQ_PASSWORD": SECRET} | {
+    password_env(role): f"test-only-{role}" for role in ROLES
+}
+SPILL_DIR = "/dev/shm/baton"  # the shared tmpfs volume; the services keep their files below it
 
 # (id, -f files); None = no -f, so Compose also merges compose.override.yaml by itself.
 VARIANTS = {
@@ -60,7 +70,8 @@ def _compose(runner: list[str], files: list[str] | None, **env: str) -> subproce
 
 
 def _resolved(runner: list[str], variant: str, **env: str) -> dict[str, Any]:
-    env.setdefault("BATON_RABBITMQ_PASSWORD", SECRET)
+    for var, value in PASSWORDS.items():
+        env.setdefault(var, value)
     stdout = _resolved_text(tuple(runner), variant, tuple(sorted(env.items())))
     return yaml.safe_load(stdout)  # a fresh dict per call: tests may not share mutations
 
@@ -106,7 +117,14 @@ def runner(request) -> list[str]:
 def test_stack_shape(runner: list[str], variant: str) -> None:
     config = _resolved(runner, variant)
     services = config["services"]
-    assert set(services) == {"rabbitmq", *WORKERS, "loadtest"}
+    # A second detokenizer replica (docs/reliability.md): the standby of the first's shard.
+    assert set(services) == {"broker-init", "rabbitmq", *REGISTERED, "detokenizer-2", "loadtest"}
+    assert services["detokenizer-2"]["command"] == ["detokenizer"]
+    homes = {
+        services[n]["environment"]["BATON_DETOK_HOME_SHARD"]
+        for n in ("detokenizer", "detokenizer-2")
+    }
+    assert homes == {"0", "1"}
 
     broker = services["rabbitmq"]
     assert broker["image"].startswith("rabbitmq:3.13-management")
@@ -115,14 +133,14 @@ def test_stack_shape(runner: list[str], variant: str) -> None:
                  broker.get("ports", [])}  # fmt: skip
     assert {"5672/tcp", "15672/tcp"} <= published or {"5672", "15672"} <= published
 
-    images = {services[name]["image"] for name in (*WORKERS, "loadtest")}
+    images = {services[name]["image"] for name in (*WORKERS, "loadtest", "broker-init")}
     assert len(images) == 1, f"one image for the whole stack, got {images}"
     for name in WORKERS:
         service = services[name]
         assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy", name
         assert service["command"] == [name]
         env = _env(service)
-        assert env["BATON_SPILL_DIR"] == SPILL_DIR
+        assert env["BATON_SPILL_DIR"].startswith(SPILL_DIR + "/"), "a private subdirectory"
         assert env["BATON_LOG_FORMAT"] == "json"
         assert int(env["BATON_METRICS_PORT"]) > 0, "the healthcheck needs the metrics server"
         # Scalable with --scale: nothing may pin a name or a host port.
@@ -153,7 +171,7 @@ def test_gpu_variant(runner: list[str], variant: str) -> None:
         assert service["ipc"] == "host" and service["pid"] == "host", name
         env = _env(service)
         assert env["BATON_DEVICE"] == "cuda"
-        assert env["BATON_KV_TRANSPORT"] == "shm"  # cuda-ipc lands with the GPU transport
+        assert env["BATON_KV_TRANSPORT"] == "cuda-ipc"
     for name in ("rabbitmq", "tokenizer", "detokenizer", "loadtest"):
         assert not _gpu_devices(services[name]), f"{name} must not hold a GPU"
         assert "pid" not in services[name] and "ipc" not in services[name], name
@@ -174,7 +192,7 @@ def test_cpu_variant_has_no_gpu(runner: list[str]) -> None:
     for name in WORKERS:
         env = _env(services[name])
         assert env["BATON_DEVICE"] == "cpu"
-        assert env["BATON_KV_TRANSPORT"] == "shm"
+        assert env["BATON_KV_TRANSPORT"] == "pool"
         assert env["BATON_MODEL"] == "", "the CPU stack runs the built-in tiny model"
         assert services[name]["build"]["args"]["TORCH_INDEX"].endswith("/whl/cpu")
     # A separate tag: building the CPU stack must not overwrite the GPU image.
@@ -184,23 +202,49 @@ def test_cpu_variant_has_no_gpu(runner: list[str]) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_credentials(runner: list[str], variant: str) -> None:
+    """Every party its own broker user and password; the broker gets them as a definitions file
+    written by broker-init (hashes), never as a default user, and there is no guest."""
     services = _resolved(runner, variant, BATON_RABBITMQ_USER="ops")["services"]
-    broker_env = _env(services["rabbitmq"])
-    assert broker_env["RABBITMQ_DEFAULT_USER"] == "ops"
-    assert broker_env["RABBITMQ_DEFAULT_PASS"] == SECRET
-    for name in (*WORKERS, "loadtest"):
-        url = _env(services[name])["BATON_AMQP_URL"]
-        assert url == f"amqp://ops:{SECRET}@rabbitmq:5672/", name
+    broker = services["rabbitmq"]
+    assert not {k for k in _env(broker) if k.startswith("RABBITMQ_DEFAULT_")}
+    assert broker["depends_on"]["broker-init"]["condition"] == "service_completed_successfully"
+    mounts = [
+        v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in broker["volumes"]
+    ]
+    assert any(
+        m.endswith("deploy/rabbitmq/20-baton.conf:/etc/rabbitmq/conf.d/20-baton.conf:ro")
+        or m.endswith(":/etc/rabbitmq/conf.d/20-baton.conf")
+        for m in mounts
+    ), mounts
+    conf = (REPO / "deploy/rabbitmq/20-baton.conf").read_text()
+    assert "load_definitions = /etc/rabbitmq/baton/definitions.json" in conf
+    assert "loopback_users.guest = true" in conf
 
-    default_user = _env(_resolved(runner, variant)["services"]["rabbitmq"])
-    assert default_user["RABBITMQ_DEFAULT_USER"] not in ("", "guest")
+    init = services["broker-init"]
+    command = init["command"] if isinstance(init["command"], str) else " ".join(init["command"])
+    assert "definitions --admin-user ops" in command and "/definitions/definitions.json" in command
+    assert " ".join(init["entrypoint"]) == "python -m services.shell.permissions"
+    assert _volume_mounts(init)["/definitions"] == _volume_mounts(broker)["/etc/rabbitmq/baton"]
+    assert {k: v for k, v in _env(init).items() if k in PASSWORDS} == PASSWORDS
+
+    for name in (*WORKERS, "gateway", "loadtest"):
+        role = "client" if name == "loadtest" else name
+        url = _env(services[name])["BATON_AMQP_URL"]
+        assert url == f"amqp://baton-{role}:test-only-{role}@rabbitmq:5672/", name
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_default_password(runner: list[str], variant: str) -> None:
-    result = _compose(runner, VARIANTS[variant])  # BATON_RABBITMQ_PASSWORD unset
+    result = _compose(runner, VARIANTS[variant])  # no password set
     assert result.returncode != 0
     assert "BATON_RABBITMQ_PASSWORD" in result.stderr
+
+
+@pytest.mark.parametrize("missing", sorted(PASSWORDS))
+def test_every_password_is_required(runner: list[str], missing: str) -> None:
+    env = {k: v for k, v in PASSWORDS.items() if k != missing}
+    result = _compose(runner, VARIANTS["cpu"], **env)
+    assert result.returncode != 0 and missing in result.stderr
 
 
 def test_loadtest_profile(runner: list[str]) -> None:
@@ -228,7 +272,7 @@ def test_dockerfile() -> None:
     users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0"), "the services must not run as root"
     healthcheck = re.search(r"^HEALTHCHECK .*\n(.*\n)*?\s*CMD (.*)$", dockerfile, re.M)
-    assert healthcheck and "shared.http_server" in healthcheck.group(2)
+    assert healthcheck and "shared.observability.http_server" in healthcheck.group(2)
     assert "/health" in healthcheck.group(2)
     assert "ARG TORCH_INDEX" in dockerfile
     ignored = (REPO / ".dockerignore").read_text().split()
@@ -251,3 +295,58 @@ def test_dockerfile_reads_requirements_from_pyproject(tmp_path: Path) -> None:
     names = {re.split(r"[<>=;! ]", r, maxsplit=1)[0] for r in requirements}
     assert requirements[0].startswith("torch"), "the TORCH_INDEX step installs the first torch line"
     assert {"torch", "aio-pika", "prometheus-client", "locust"} <= names
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gateway_service(runner: list[str], variant: str) -> None:
+    """The OpenAI gateway: same image as the workers, its own broker user, published on loopback
+    by default, healthy when its own /health answers, no GPU."""
+    services = _resolved(runner, variant)["services"]
+    gateway = services["gateway"]
+    assert gateway["command"] == ["gateway"]
+    assert gateway["image"] == services["tokenizer"]["image"]
+    env = _env(gateway)
+    assert env["BATON_AMQP_URL"].startswith("amqp://baton-gateway:"), "its own broker user"
+    assert env["BATON_GATEWAY_HOST"] == "0.0.0.0" and env["BATON_GATEWAY_PORT"] == "8000"
+    ports = [str(p) for p in gateway["ports"]] if "ports" in gateway else []
+    published = gateway["ports"][0]
+    if isinstance(published, dict):  # Compose v2's long syntax
+        assert published["host_ip"] == "127.0.0.1" and int(published["target"]) == 8000
+    else:
+        assert ports[0].startswith("127.0.0.1:") and ports[0].split("/")[0].endswith(":8000")
+    assert "8000" in gateway["healthcheck"]["test"] and "/health" in gateway["healthcheck"]["test"]
+    assert not _gpu_devices(gateway)
+
+
+def test_gateway_needs_auth_when_published(runner: list[str]) -> None:
+    services = _resolved(runner, "cpu", BATON_API_KEY="k3y", BATON_GATEWAY_ALLOW_NO_AUTH="false")
+    env = _env(services["services"]["gateway"])
+    assert env["BATON_API_KEY"] == "k3y" and env["BATON_GATEWAY_ALLOW_NO_AUTH"] == "false"
+
+
+def test_broker_cluster_overlay(runner: list[str]) -> None:
+    """compose.cluster.yaml: three broker nodes with one cookie from the environment and the
+    classic peer-discovery config, every service given every node (BATON_AMQP_HOSTS)."""
+    files = ["compose.yaml", "compose.cpu.yaml", "compose.cluster.yaml"]
+    hosts = "rabbitmq:5672,rabbitmq-2:5672,rabbitmq-3:5672"
+    env = {**PASSWORDS, "BATON_ERLANG_COOKIE": "c00k1e", "BATON_AMQP_HOSTS": hosts}
+    result = _compose(runner, files, **env)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    nodes = ("rabbitmq", "rabbitmq-2", "rabbitmq-3")
+    conf = (REPO / "deploy/rabbitmq/30-cluster.conf").read_text()
+    for i, name in enumerate(nodes, 1):
+        node = services[name]
+        assert _env(node)["RABBITMQ_ERLANG_COOKIE"] == "c00k1e"
+        assert node.get("hostname", "rabbitmq") == name  # the node names of 30-cluster.conf
+        assert f"cluster_formation.classic_config.nodes.{i} = rabbit@{name}" in conf
+        mounts = " ".join(v if isinstance(v, str) else v["target"] for v in node["volumes"])
+        assert "conf.d/30-cluster.conf" in mounts and "conf.d/20-baton.conf" in mounts
+        assert _volume_mounts(node)["/etc/rabbitmq/baton"] == "broker-definitions"
+    data = {_volume_mounts(services[n])["/var/lib/rabbitmq"] for n in nodes}
+    assert len(data) == 3  # a data directory each
+    for name in (*WORKERS, "gateway"):
+        assert _env(services[name])["BATON_AMQP_URL"].endswith(f"@{hosts}/"), name
+    without_cookie = {k: v for k, v in env.items() if k != "BATON_ERLANG_COOKIE"}
+    refused = _compose(runner, files, **without_cookie)
+    assert refused.returncode != 0 and "BATON_ERLANG_COOKIE" in refused.stderr

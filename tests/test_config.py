@@ -142,6 +142,9 @@ def test_every_field_has_an_env_var_and_a_flag() -> None:
     env = {}
     for f in dataclasses.fields(BatonConfig):
         value = getattr(defaults, f.name)
+        if value is None:  # an optional setting left unset: an empty variable
+            env["BATON_" + f.name.upper()] = ""
+            continue
         env["BATON_" + f.name.upper()] = (
             ("true" if value else "false") if isinstance(value, bool) else str(value)
         )

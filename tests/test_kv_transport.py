@@ -1,4 +1,5 @@
-"""Shared-memory KV store: exact round trips, one-shot entries, capacity, orphans, safe keys."""
+"""The shared-memory KV connector on block ids: exact round trips between two caches, one-shot
+entries, prefix-hit loads, the duty to free, atomic writes, capacity, orphans, safe keys."""
 
 from __future__ import annotations
 
@@ -11,192 +12,304 @@ import pytest
 import torch
 
 from shared.config import BatonConfig
-from shared.kv_transport import ShmKVStore, make_transport
-from shared.protocol import KVDescriptor
+from shared.kv_transfer import ShmConnector, make_connector
+from shared.kv_transfer.shm import PAYLOAD_VERSION
+from shared.wire.messages import KVDescriptor, pack, unpack
 
-SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
+L, NB, BS, H, D = 2, 8, 4, 2, 8
+SHAPE = (L, 2, NB, BS, H, D)  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
+BLOCK_BYTES = L * 2 * BS * H * D * 4  # fp32
 TIMEOUT_S = 300.0
 
 
-def kv(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+def cache(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(SHAPE, generator=g).to(dtype)
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def connector(root: Path, kv_cache: torch.Tensor, max_bytes: int = 1 << 20) -> ShmConnector:
+    c = ShmConnector(root, max_bytes, TIMEOUT_S)
+    c.register_kv_cache(kv_cache)
+    return c
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> ShmKVStore:
-    return ShmKVStore(tmp_path / "spill", 1 << 20, TIMEOUT_S)
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "spill"
 
 
-def entries(store: ShmKVStore) -> list[str]:
-    return sorted(os.listdir(store.root))
+@pytest.fixture
+def sender(root: Path) -> ShmConnector:
+    """Prefill's side: a cache full of distinct values."""
+    return connector(root, cache())
+
+
+@pytest.fixture
+def receiver(root: Path) -> ShmConnector:
+    """Decode's side (another process in production): its own, empty cache, the same folder."""
+    return connector(root, torch.zeros(SHAPE))
+
+
+def entries(c: ShmConnector) -> list[str]:
+    return sorted(os.listdir(c.root))
+
+
+def blocks(c: ShmConnector, ids: list[int]) -> torch.Tensor:
+    return c.kv_cache[:, :, ids]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_round_trip_is_exact(store: ShmKVStore, dtype: torch.dtype) -> None:
-    t = kv(dtype)
-    t.view(-1)[:3] = torch.tensor([float("inf"), -0.0, 1e-3]).to(dtype)  # odd values survive
-    desc = store.send("req-1", t, num_tokens=10)
+def test_round_trip_is_exact(root: Path, dtype: torch.dtype) -> None:
+    src = cache(dtype)
+    src[0, 0, 5, 0, 0, :3] = torch.tensor([float("inf"), -0.0, 1e-3]).to(dtype)  # odd values
+    sender = connector(root, src)
+    receiver = connector(root, torch.zeros(SHAPE, dtype=dtype))
+    desc = sender.send("req-1", [5, 1, 3], num_tokens=10)  # 10 tokens: 3 blocks of 4
     assert desc is not None
-    assert (desc.transport, desc.num_tokens, desc.nbytes) == ("shm", 10, nbytes(t))
-    assert desc.shape == list(SHAPE) and desc.dtype == str(dtype).removeprefix("torch.")
-    assert store.used_bytes() == nbytes(t)
-    back = store.receive(desc)
-    assert back is not None
-    assert back.dtype == dtype and back.shape == SHAPE
-    assert torch.equal(back.view(torch.int8), t.view(torch.int8))  # bit for bit
-    assert entries(store) == []
+    nbytes = 3 * BLOCK_BYTES * dtype.itemsize // 4
+    assert (desc.transport, desc.version, desc.num_tokens, desc.nbytes) == (
+        "shm",
+        PAYLOAD_VERSION,
+        10,
+        nbytes,
+    )
+    assert desc.payload["dtype"] == str(dtype).removeprefix("torch.")
+    assert sender.used_bytes() == nbytes and len(entries(sender)) == 1
+    result = receiver.load(desc, [0, 6, 2], first_block=0)
+    assert result.loaded and result.nbytes == nbytes and result.release is None
+    got, want = blocks(receiver, [0, 6, 2]), blocks(sender, [5, 1, 3])
+    assert torch.equal(got.view(torch.int8), want.contiguous().view(torch.int8))  # bit for bit
+    assert receiver.kv_cache[:, :, [1, 3, 4, 5, 7]].count_nonzero() == 0  # nothing else written
+    assert entries(receiver) == []
 
 
-def test_non_contiguous_and_grad_tensors(store: ShmKVStore) -> None:
-    base = kv().requires_grad_(True)
-    t = base.transpose(2, 3)  # a view with other strides
-    assert not t.is_contiguous()
-    desc = store.send("req", t, num_tokens=1)
-    assert desc is not None and desc.shape == list(t.shape)
-    back = store.receive(desc)
-    assert back is not None and torch.equal(back, t.detach())
+def test_only_the_blocks_holding_num_tokens_are_sent(
+    sender: ShmConnector, receiver: ShmConnector
+) -> None:
+    desc = sender.send("req", [5, 1, 3, 7], num_tokens=8)  # 2 full blocks; 3 and 7 unused
+    assert desc is not None and desc.nbytes == 2 * BLOCK_BYTES
+    assert desc.payload["shape"] == [L, 2, 2, BS, H, D]
+    assert receiver.load(desc, [4, 0], first_block=0).loaded
+    assert torch.equal(blocks(receiver, [4, 0]), blocks(sender, [5, 1]))
 
 
-def test_descriptor_survives_the_wire(store: ShmKVStore) -> None:
+def test_sender_may_free_its_blocks_at_once(sender: ShmConnector) -> None:
+    """A copy transport hands the duty to free back immediately: each id named once."""
+    assert sender.pop_freeable(time.time()) == []
+    assert sender.send("a", [0], 1) is not None and sender.send("b", [1], 1) is not None
+    assert sender.pop_freeable(time.time()) == ["a", "b"]
+    assert sender.pop_freeable(time.time()) == []
+
+
+def test_load_after_prefix_hits_copies_only_the_rest(
+    sender: ShmConnector, receiver: ShmConnector
+) -> None:
+    desc = sender.send("req", [5, 1, 3], num_tokens=12)
+    assert desc is not None
+    receiver.kv_cache[:, :, 6] = 7.0  # a prefix-cache hit there: must stay as it is
+    assert receiver.load(desc, [0, 2], first_block=1).loaded
+    assert torch.equal(blocks(receiver, [0, 2]), blocks(sender, [1, 3]))
+    assert bool((receiver.kv_cache[:, :, 6] == 7.0).all())
+    everything_hit = sender.send("all", [5, 1, 3], num_tokens=12)
+    assert everything_hit is not None
+    assert receiver.load(everything_hit, [], first_block=3).loaded
+    assert entries(receiver) == []
+
+
+def test_load_with_the_wrong_number_of_blocks_is_an_error(
+    sender: ShmConnector, receiver: ShmConnector
+) -> None:
+    desc = sender.send("req", [5, 1, 3], num_tokens=12)
+    assert desc is not None
+    with pytest.raises(ValueError, match="blocks for entry"):
+        receiver.load(desc, [0, 2], first_block=0)
+    assert receiver.kv_cache.count_nonzero() == 0
+
+
+def test_load_converts_to_the_receivers_dtype(root: Path, sender: ShmConnector) -> None:
+    receiver = connector(root, torch.zeros(SHAPE, dtype=torch.bfloat16))
+    desc = sender.send("req", [2], num_tokens=4)
+    assert desc is not None and receiver.load(desc, [3], first_block=0).loaded
+    assert torch.equal(blocks(receiver, [3]), blocks(sender, [2]).to(torch.bfloat16))
+
+
+def test_descriptor_survives_the_wire(sender: ShmConnector, receiver: ShmConnector) -> None:
     """What decode receives is rebuilt from a msgpack map: plain fields suffice."""
-    desc = store.send("req", kv(torch.bfloat16), num_tokens=7)
+    desc = sender.send("req", [4, 2], num_tokens=7)
     assert desc is not None
-    rebuilt = KVDescriptor(**dataclasses.asdict(desc))
-    back = store.receive(rebuilt)
-    assert back is not None and torch.equal(back, kv(torch.bfloat16))
+    rebuilt = KVDescriptor.from_map(unpack(pack(dataclasses.asdict(desc)), 1 << 20))
+    assert rebuilt == desc
+    assert receiver.load(rebuilt, [1, 0], first_block=0).loaded
+    assert torch.equal(blocks(receiver, [1, 0]), blocks(sender, [4, 2]))
 
 
-def test_entry_is_deleted_after_receive(store: ShmKVStore) -> None:
-    desc = store.send("req", kv(), num_tokens=4)
-    assert desc is not None and len(entries(store)) == 1
-    assert store.receive(desc) is not None
-    assert store.receive(desc) is None  # a redelivered handoff: the caller recomputes
-    assert entries(store) == [] and store.used_bytes() == 0
+def test_entry_is_deleted_after_load(sender: ShmConnector, receiver: ShmConnector) -> None:
+    desc = sender.send("req", [1], num_tokens=4)
+    assert desc is not None and len(entries(sender)) == 1
+    assert receiver.load(desc, [0], 0).loaded
+    assert not receiver.load(desc, [0], 0).loaded  # a redelivered handoff: decode recomputes
+    assert entries(sender) == [] and sender.used_bytes() == 0
 
 
-def test_discard(store: ShmKVStore) -> None:
-    keep = store.send("keep", kv(seed=1), num_tokens=4)
-    drop = store.send("drop", kv(seed=2), num_tokens=4)
+def test_discard(sender: ShmConnector, receiver: ShmConnector) -> None:
+    keep = sender.send("keep", [1], num_tokens=4)
+    drop = sender.send("drop", [2], num_tokens=4)
     assert keep is not None and drop is not None
-    store.discard(drop)
-    store.discard(drop)  # idempotent
-    assert store.receive(drop) is None
-    back = store.receive(keep)
-    assert back is not None and torch.equal(back, kv(seed=1))
+    assert receiver.discard(drop) is None
+    assert receiver.discard(drop) is None  # idempotent
+    assert not receiver.load(drop, [0], 0).loaded
+    assert receiver.load(keep, [0], 0).loaded
+    assert torch.equal(blocks(receiver, [0]), blocks(sender, [1]))
 
 
-def test_same_request_id_twice_gives_distinct_entries(store: ShmKVStore) -> None:
-    a = store.send("req", kv(seed=1), num_tokens=1)
-    b = store.send("req", kv(seed=2), num_tokens=1)
-    assert a is not None and b is not None and a.key != b.key
-    rb, ra = store.receive(b), store.receive(a)
-    assert ra is not None and rb is not None
-    assert torch.equal(ra, kv(seed=1)) and torch.equal(rb, kv(seed=2))
+def test_same_request_id_twice_gives_distinct_entries(
+    sender: ShmConnector, receiver: ShmConnector
+) -> None:
+    a = sender.send("req", [1], num_tokens=1)
+    b = sender.send("req", [2], num_tokens=1)
+    assert a is not None and b is not None and a.payload["key"] != b.payload["key"]
+    assert receiver.load(b, [5], 0).loaded and receiver.load(a, [6], 0).loaded
+    assert torch.equal(blocks(receiver, [6, 5]), blocks(sender, [1, 2]))
 
 
-def test_capacity_refusal(tmp_path: Path) -> None:
-    size = nbytes(kv())
-    store = ShmKVStore(tmp_path, 2 * size, TIMEOUT_S)
-    first = store.send("a", kv(), num_tokens=1)
-    second = store.send("b", kv(), num_tokens=1)
+def test_writes_are_atomic(sender: ShmConnector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer that dies before its rename leaves only a temp file: never a readable entry."""
+    desc = sender.send("ok", [1], num_tokens=4)
+    assert desc is not None and entries(sender) == [desc.payload["key"] + ".kv"]
+
+    def die(*args: object) -> None:
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(os, "replace", die)
+    with pytest.raises(OSError):
+        sender.send("dies", [2], num_tokens=4)
+    monkeypatch.undo()
+    names = entries(sender)
+    assert len(names) == 2 and sum(n.endswith(".tmp") for n in names) == 1
+    assert [n for n in names if n.endswith(".kv")] == [desc.payload["key"] + ".kv"]
+    assert sender.pop_freeable(time.time()) == ["ok"]  # the failed send kept its duty
+
+
+def test_capacity_refusal(root: Path, receiver: ShmConnector) -> None:
+    sender = connector(root, cache(), max_bytes=2 * BLOCK_BYTES)
+    first = sender.send("a", [1], num_tokens=4)
+    second = sender.send("b", [2], num_tokens=4)
     assert first is not None and second is not None  # exactly at the budget is fine
-    assert store.send("c", kv(), num_tokens=1) is None
-    assert len(entries(store)) == 2 and store.used_bytes() == 2 * size
-    assert store.receive(first) is not None
-    assert store.send("c", kv(), num_tokens=1) is not None  # room again
+    assert sender.send("c", [3], num_tokens=4) is None  # full: the engine keeps the blocks
+    assert sender.pop_freeable(time.time()) == ["a", "b"]
+    assert len(entries(sender)) == 2 and sender.used_bytes() == 2 * BLOCK_BYTES
+    assert receiver.load(first, [0], 0).loaded
+    sender.pop_freeable(time.time() + 60)  # housekeeping notices what receivers took
+    assert sender.send("c", [3], num_tokens=4) is not None  # room again
 
 
-def test_entry_bigger_than_the_whole_store_is_refused(tmp_path: Path) -> None:
-    store = ShmKVStore(tmp_path, nbytes(kv()) - 1, TIMEOUT_S)
-    assert store.send("a", kv(), num_tokens=1) is None
-    assert entries(store) == []
+def test_entry_bigger_than_the_whole_store_is_refused(root: Path) -> None:
+    sender = connector(root, cache(), max_bytes=2 * BLOCK_BYTES - 1)
+    assert sender.send("a", [1, 2], num_tokens=8) is None
+    assert entries(sender) == [] and sender.pop_freeable(time.time()) == []
 
 
-def test_orphans_reclaimed_by_age(store: ShmKVStore) -> None:
-    old = store.send("old", kv(), num_tokens=1)
-    new = store.send("new", kv(), num_tokens=1)
+def test_orphans_reclaimed_by_age(sender: ShmConnector, receiver: ShmConnector) -> None:
+    old = sender.send("old", [1], num_tokens=1)
+    new = sender.send("new", [2], num_tokens=1)
     assert old is not None and new is not None
     now = time.time()
-    assert store.reclaim_orphans(now=now) == 0
+    assert receiver.reclaim_orphans(now) == 0
     stale = now - TIMEOUT_S - 10
-    os.utime(store.root / (old.key + ".kv"), (stale, stale))
-    assert store.reclaim_orphans(now=now) == 1
-    assert store.receive(old) is None
-    assert store.receive(new) is not None
+    os.utime(sender.root / (old.payload["key"] + ".kv"), (stale, stale))
+    assert receiver.reclaim_orphans(now) == 1
+    assert not receiver.load(old, [0], 0).loaded
+    assert receiver.load(new, [0], 0).loaded
 
 
-def test_reclaim_everything_past_the_timeout(store: ShmKVStore) -> None:
-    descs = [store.send(f"r{i}", kv(), num_tokens=1) for i in range(3)]
-    (store.root / "leftover.tmp").write_bytes(b"half written")  # a crashed writer's temp file
-    assert store.reclaim_orphans(now=time.time() + TIMEOUT_S / 2) == 0
-    assert store.reclaim_orphans(now=time.time() + TIMEOUT_S + 5) == 4
-    assert entries(store) == [] and all(d is not None and store.receive(d) is None for d in descs)
-    assert store.reclaim_orphans() == 0
+def test_reclaim_everything_past_the_timeout(sender: ShmConnector) -> None:
+    descs = [sender.send(f"r{i}", [i], num_tokens=1) for i in range(3)]
+    (sender.root / "leftover.tmp").write_bytes(b"half written")  # a crashed writer's temp file
+    assert sender.reclaim_orphans(time.time() + TIMEOUT_S / 2) == 0
+    assert sender.reclaim_orphans(time.time() + TIMEOUT_S + 5) == 4
+    assert entries(sender) == []
+    assert all(d is not None and not sender.load(d, [0], 0).loaded for d in descs)
+    assert sender.reclaim_orphans(time.time()) == 0
 
 
 @pytest.mark.parametrize(
     "key",
-    ["../escape", "a/b", "/etc/passwd", ".hidden", "..", ".", "sub/../../x"],
+    ["../escape", "a/b", "/etc/passwd", ".hidden", "..", ".", "sub/../../x", "", None, 7],
 )
-def test_path_traversal_keys_are_refused(store: ShmKVStore, tmp_path: Path, key: str) -> None:
+def test_path_traversal_keys_are_refused(
+    receiver: ShmConnector, tmp_path: Path, key: object
+) -> None:
     victim = tmp_path / "escape.kv"
     victim.write_bytes(b"\0" * 16)
-    desc = KVDescriptor("shm", key, 1, 16, [4], "float32")
-    with pytest.raises(ValueError, match="not an shm descriptor"):
-        store.receive(desc)
-    with pytest.raises(ValueError, match="not an shm descriptor"):
-        store.discard(desc)
+    desc = KVDescriptor(
+        "shm", PAYLOAD_VERSION, 1, 16, {"key": key, "shape": [4], "dtype": "float32"}
+    )
+    with pytest.raises(ValueError, match="bad shm key"):
+        receiver.load(desc, [0], 0)
+    with pytest.raises(ValueError, match="bad shm key"):
+        receiver.discard(desc)
     assert victim.exists()
 
 
-def test_other_transport_descriptor_is_refused(store: ShmKVStore) -> None:
-    desc = store.send("req", kv(), num_tokens=1)
+@pytest.mark.parametrize("change", [{"transport": "cuda-ipc"}, {"version": PAYLOAD_VERSION + 1}])
+def test_other_transport_or_version_is_refused(
+    sender: ShmConnector, receiver: ShmConnector, change: dict[str, object]
+) -> None:
+    desc = sender.send("req", [1], num_tokens=1)
     assert desc is not None
-    ipc = dataclasses.replace(desc, transport="cuda-ipc")
-    with pytest.raises(ValueError, match="not an shm descriptor"):
-        store.receive(ipc)
-    assert len(entries(store)) == 1  # nothing was consumed
+    other = dataclasses.replace(desc, **change)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not an shm v1 descriptor"):
+        receiver.load(other, [0], 0)
+    with pytest.raises(ValueError, match="not an shm v1 descriptor"):
+        receiver.discard(other)
+    assert len(entries(receiver)) == 1  # nothing was consumed
 
 
 @pytest.mark.parametrize(
     "key",
     ["../../etc/passwd", "a/b/c", ".secret", "..", "", "héllo wörld 🙂", "x" * 500, "a\0b"],
 )
-def test_send_sanitizes_request_ids(store: ShmKVStore, key: str) -> None:
-    desc = store.send(key, kv(), num_tokens=1)
+def test_send_sanitizes_request_ids(sender: ShmConnector, receiver: ShmConnector, key: str) -> None:
+    desc = sender.send(key, [3], num_tokens=1)
     assert desc is not None
-    assert "/" not in desc.key and "\0" not in desc.key and not desc.key.startswith(".")
-    assert len(desc.key) <= 64 + 1 + 32
-    assert entries(store) == [desc.key + ".kv"]  # inside the store's folder, nowhere else
-    back = store.receive(desc)
-    assert back is not None and torch.equal(back, kv())
+    name = desc.payload["key"]
+    assert "/" not in name and "\0" not in name and not name.startswith(".")
+    assert len(name) <= 64 + 1 + 32
+    assert entries(sender) == [name + ".kv"]  # inside the store's folder, nowhere else
+    assert receiver.load(desc, [0], 0).loaded
+    assert torch.equal(blocks(receiver, [0]), blocks(sender, [3]))
 
 
-def test_unsupported_dtype_in_descriptor(store: ShmKVStore) -> None:
-    desc = store.send("req", kv(), num_tokens=1)
+def test_unsupported_dtype_in_descriptor(sender: ShmConnector, receiver: ShmConnector) -> None:
+    desc = sender.send("req", [1], num_tokens=1)
     assert desc is not None
+    wrong = dataclasses.replace(desc, payload={**desc.payload, "dtype": "float64"})
     with pytest.raises(ValueError, match="unsupported KV dtype"):
-        store.receive(dataclasses.replace(desc, dtype="float64"))
+        receiver.load(wrong, [0], 0)
 
 
-def test_size_mismatch_is_an_error(store: ShmKVStore) -> None:
-    desc = store.send("req", kv(), num_tokens=1)
+def test_size_mismatch_is_an_error(sender: ShmConnector, receiver: ShmConnector) -> None:
+    desc = sender.send("req", [1], num_tokens=1)
     assert desc is not None
-    wrong = dataclasses.replace(desc, nbytes=desc.nbytes * 2, shape=[2, *desc.shape])
-    with pytest.raises(ValueError, match=desc.key):
-        store.receive(wrong)
+    shape = [2, *desc.payload["shape"]]
+    wrong = dataclasses.replace(
+        desc, nbytes=desc.nbytes * 2, payload={**desc.payload, "shape": shape}
+    )
+    with pytest.raises(ValueError, match=desc.payload["key"]):
+        receiver.load(wrong, [0], 0)
+    assert receiver.kv_cache.count_nonzero() == 0
 
 
-def test_make_transport(tmp_path: Path) -> None:
+def test_a_cache_must_be_registered_first(root: Path) -> None:
+    with pytest.raises(RuntimeError, match="register_kv_cache"):
+        ShmConnector(root, 1 << 20, TIMEOUT_S).send("req", [0], 1)
+
+
+def test_make_connector(tmp_path: Path) -> None:
     config = BatonConfig(spill_dir=str(tmp_path / "s"), spill_max_bytes=123, kv_transport="shm")
-    t = make_transport(config)
-    assert isinstance(t, ShmKVStore)
-    assert (t.root, t.max_bytes, t.orphan_timeout_s) == (tmp_path / "s", 123, 300.0)
-    assert t.root.is_dir()
-    with pytest.raises(ValueError, match="cuda-ipc"):
-        make_transport(config.replace(kv_transport="cuda-ipc"))
+    c = make_connector(config)
+    assert isinstance(c, ShmConnector)
+    assert (c.root, c.max_bytes, c.orphan_timeout_s) == (tmp_path / "s", 123, 300.0)
+    assert c.root.is_dir()
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        make_connector(config.replace(kv_transport="carrier-pigeon"))

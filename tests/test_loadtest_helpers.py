@@ -9,6 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loadtest import stage_profile as sp
+from loadtest.overhead import format_overhead
+from loadtest.serving import metrics_ports
+from loadtest.vllm_baseline import parse_result, run_vllm_baseline
 from loadtest.workload import (
     LoadMix,
     RequestResult,
@@ -16,6 +20,7 @@ from loadtest.workload import (
     Slo,
     Stat,
     format_summary,
+    greedy_agreement,
     make_workload,
     parse_mix,
     percentile,
@@ -160,3 +165,180 @@ def test_load_mix_from_env() -> None:
     draws = [mix.sample(rng) for _ in range(1000)]
     assert {d[0] for d in draws} == {32, 512} and {d[1] for d in draws} == {64}
     assert sum(d[2] == 5 for d in draws) == pytest.approx(200, abs=50)
+
+
+# --- greedy agreement, vLLM baseline plumbing ----------------------------------------------------
+
+
+def test_greedy_agreement() -> None:
+    a = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 9, 9]])
+    assert a == {"exact": 0.5, "prefix": pytest.approx((1.0 + 0.5) / 2), "requests": 2}
+    assert greedy_agreement([[1]], [[2]])["prefix"] == 0.0
+    assert greedy_agreement([[1, 2]], [[1, 2, 3]])["exact"] == 0.0  # shorter output: not equal
+    with pytest.raises(ValueError):
+        greedy_agreement([[1]], [])
+
+
+def test_vllm_result_line_is_found_among_log_lines() -> None:
+    out = "INFO 12-03 loading\n{not json\n" + json.dumps({"vllm_output_throughput": 5.0}) + "\n"
+    assert parse_result(out) == {"vllm_output_throughput": 5.0}
+    assert parse_result('INFO done\n{"other": 1}\n') is None
+
+
+def test_vllm_baseline_skips_without_a_virtualenv(tmp_path: Path) -> None:
+    assert "skipped" in run_vllm_baseline(None, tmp_path, [([1], 1)], max_model_len=8)
+    missing = run_vllm_baseline(tmp_path / "nope", tmp_path, [([1], 1)], max_model_len=8)
+    assert "does not exist" in missing["skipped"]
+
+
+# --- profile helpers -------------------------------------------------------------------------
+
+
+def test_parse_proc_stat_handles_odd_process_names() -> None:
+    fields = ["S", "42"] + ["0"] * 9 + ["250", "50"] + ["0"] * 30
+    comm, ppid, cpu = sp.parse_proc_stat("123 (we (ird) name) " + " ".join(fields))
+    assert (comm, ppid) == ("we (ird) name", 42)
+    assert cpu == pytest.approx(300 / sp.CLK_TCK)
+    own = sp.cpu_snapshot({"me": [__import__("os").getpid()], "gone": [2**22 + 7]})
+    assert own["me"] > 0 and own["gone"] == 0.0
+    assert sp.diff({"a": 1.0}, {"a": 3.5, "b": 1.0}) == {"a": 2.5, "b": 1.0}
+
+
+def test_service_name_from_cmdline() -> None:
+    assert sp.service_name(["/usr/bin/python", "-m", "services", "decode", ""]) == "decode"
+    assert sp.service_name(["python", "-m", "services"]) is None
+    assert sp.service_name(["python", "-m", "loadtest.bench"]) is None
+
+
+METRICS_BEFORE = """# TYPE baton:forward_seconds histogram
+baton:forward_seconds_bucket{le="+Inf"} 2.0
+baton:forward_seconds_sum 0.5
+baton:forward_seconds_count 2.0
+# TYPE baton:handoff_seconds histogram
+baton:handoff_seconds_sum{transport="shm"} 0.25
+baton:handoff_seconds_count{transport="shm"} 1.0
+"""
+METRICS_AFTER = """# TYPE baton:forward_seconds histogram
+baton:forward_seconds_bucket{le="+Inf"} 5.0
+baton:forward_seconds_sum 2.0
+baton:forward_seconds_count 5.0
+# TYPE baton:handoff_seconds histogram
+baton:handoff_seconds_sum{transport="shm"} 0.75
+baton:handoff_seconds_count{transport="shm"} 3.0
+baton:handoff_seconds_sum{transport="pool"} 0.5
+baton:handoff_seconds_count{transport="pool"} 1.0
+"""
+
+
+def test_metric_deltas() -> None:
+    before, after = sp.parse_metrics(METRICS_BEFORE), sp.parse_metrics(METRICS_AFTER)
+    assert sp.hist_delta(before, after, "baton:forward_seconds") == (1.5, 3.0)
+    assert sp.hist_delta(before, after, "baton:handoff_seconds") == (1.0, 3.0)  # all transports
+    assert sp.hist_delta(before, after, "baton:handoff_seconds", transport="shm") == (0.5, 2.0)
+    assert sp.metric(after, "baton:absent_total") == 0.0
+
+
+def test_classify_py_spy_stacks() -> None:
+    raw = "\n".join([
+        "Runner.run (/a/asyncio/runners.py:118);encode (/r/services/tokenizer/core.py:9) 4",
+        "Runner.run (/a/runners.py:1);publish (/s/aio_pika/exchange.py:5) 3",
+        "Runner.run (/a/runners.py:1);_reader (/s/aiormq/connection.py:7) 2",
+        "Runner.run (/a/asyncio/runners.py:118) 5",
+        "Runner.run (/a/asyncio/runners.py:118);mystery (/x.py:1) 1",
+        "garbage line",
+    ])  # fmt: skip
+    counts, other = sp.classify_collapsed(raw)
+    assert counts == {"tokenize": 4, "publish": 3, "amqp": 2, "event loop": 5, "other": 1}
+    assert other == {"mystery (/x.py:1)": 1}
+
+
+def _scrapes() -> dict[str, tuple[sp.Samples, sp.Samples]]:
+    before, after = sp.parse_metrics(METRICS_BEFORE), sp.parse_metrics(METRICS_AFTER)
+    return {"prefill": (before, after), "decode": (before, after)}
+
+
+def test_build_stages_and_format() -> None:
+    pyspy = {"detokenizer": {"samples": {"detokenize": 1, "publish": 3}}}
+    cpu = {"detokenizer": 2.0, "decode": 1.0, "rabbitmq (beam.smp)": 0.5}
+    rows = {r["stage"]: r for r in sp.build_stages(_scrapes(), pyspy, cpu)}
+    assert rows["prefill forward (+sampling)"]["seconds"] == 1.5
+    assert rows["handoff read"]["count"] == 3.0
+    assert rows["detokenize"]["seconds"] == pytest.approx(0.5)  # 1/4 of the detokenizer's CPU
+    assert rows["reply publish"]["seconds"] == pytest.approx(1.5)
+    assert rows["sampling"]["seconds"] is None
+    assert rows["queue wait (arrival->prefill)"]["seconds"] is None  # no detokenizer scrape
+    assert [r["stage"] for r in sp.build_stages({}, None, {})][:3] == [
+        "tokenize", "queue wait (arrival->prefill)", "prefill forward (+sampling)",
+    ]  # fmt: skip
+    no_spy = {r["stage"]: r for r in sp.build_stages(_scrapes(), None, cpu)}
+    assert (
+        no_spy["tokenize"]["seconds"] is None and "not instrumented" in no_spy["tokenize"]["source"]
+    )
+    broker = sp.broker_delta(
+        {"vhost": "v", "published": 10.0, "delivered": 9.0, "bytes_in": 100.0, "bytes_out": 50.0,
+         "queues": {"baton.prefill": 1.0}},
+        {"vhost": "v", "published": 30.0, "delivered": 29.0, "bytes_in": 2148.0, "bytes_out": 50.0,
+         "queues": {"baton.prefill": 5.0, "baton.reply.*": 2.0}},
+    )  # fmt: skip
+    assert broker["published"] == 20.0 and broker["queues"] == {"baton.prefill": 4.0,
+                                                               "baton.reply.*": 2.0}  # fmt: skip
+    profile = {"label": "run", "num_requests": 4, "wall_s": 2.0, "cores": 2, "cpu_s": cpu,
+               "stages": list(rows.values()), "broker": broker}  # fmt: skip
+    text = sp.format_profile(profile)
+    assert "decode" in text and "total" in text and "5.0 messages published" in text
+    assert "0.5 KiB in" in text  # 2048 bytes / 4 requests
+    assert "not measured" in sp.format_profile({**profile, "broker": {"skipped": "no API"}})
+
+
+def test_queue_group() -> None:
+    assert sp.queue_group("baton.reply.0123456789abcdef0123") == "baton.reply.*"
+    assert sp.queue_group("amq.gen-XyZ") == "amq.* (server-named)"
+    assert sp.queue_group("baton.decode") == "baton.decode"
+
+
+def test_plot_profile(tmp_path: Path) -> None:
+    rows = sp.build_stages(_scrapes(), None, {})
+    profile = {"label": "run", "num_requests": 4, "wall_s": 2.0, "cores": 2,
+               "cpu_s": {"decode": 1.0, "prefill": 0.5}, "stages": rows}  # fmt: skip
+    sp.plot_profile(tmp_path / "p.png", [profile])
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_format_overhead_and_ports() -> None:
+    fig = {"requests": 100, "client_e2e_p50_s": 0.016, "client_e2e_p99_s": 0.02,
+           "client_ttft_p50_s": 0.015, "prefill_forward_per_request_s": 0.004,
+           "prefill_forward_count": 100.0}  # fmt: skip
+    text = format_overhead(fig)
+    assert "12.00" in text  # 16 ms end to end - 4 ms forward
+    no_scrape = {k: v for k, v in fig.items() if not k.startswith("prefill")}
+    assert "no /metrics" in format_overhead(no_scrape)
+    ports = metrics_ports(9000)
+    assert ports["tokenizer"] == 9000 and ports["detokenizer"] == 9003
+
+
+def test_mixed_workload_phases_and_report(tmp_path: Path) -> None:
+    """loadtest/mixed.py: the burst phase is the steady one plus 10% long prompts arriving
+    together; only short requests count; the report prints both ratios and plots."""
+    from loadtest import mixed
+
+    specs = mixed.phases(40, 8.0, 4096, frozenset({0, 1}), seed=3)
+    steady, burst = specs["steady"], specs["burst"]
+    longs = [s for s in burst if len(s.prompt_token_ids) == mixed.LONG_PROMPT]
+    assert len(steady) == 40 and len(longs) == 4 and len(burst) == 44
+    assert all(s in burst for s in steady)
+    assert max(s.arrival_s for s in longs) - min(s.arrival_s for s in longs) <= 0.2
+    assert [s.arrival_s for s in burst] == sorted(s.arrival_s for s in burst)
+
+    def result(prompt: int, ttft: float, e2e: float, n: int) -> RequestResult:
+        return RequestResult(True, prompt, n, ttft, e2e)
+
+    stats = mixed.short_stats([result(64, 0.1, 0.1 + 63 * 0.02, 64),
+                               result(1500, 5.0, 6.0, 16)])  # fmt: skip
+    assert stats["num_short"] == 1 and stats["ttft_p99"] == pytest.approx(0.1)
+    assert stats["tpot_p99"] == pytest.approx(0.02)
+    phase = {"steady": stats, "burst": {**stats, "tpot_p99": 0.03, "ttft_p99": 0.2}}
+    report = {"rate": 8.0, "configs": {"chunked": phase, "unchunked": phase}}
+    text = mixed.format_mixed(report)
+    assert "burst / steady = 1.50x" in text and "chunked / unchunked = 1.00x" in text
+    mixed.plot_mixed(tmp_path / "m.png", report)
+    assert (tmp_path / "m.png").stat().st_size > 0

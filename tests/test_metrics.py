@@ -1,4 +1,4 @@
-"""shared.metrics and shared.http_server over a real socket."""
+"""shared.observability.metrics and shared.observability.http_server over a real socket."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.http_server import MAX_LINE_BYTES, start_metrics_server
-from shared.metrics import Metrics
+from services.shell.service_metrics import ServiceMetrics
+from shared.config import BatonConfig
+from shared.core.outputs import EngineLoad, KVTransferStat, StepStats
+from shared.observability.http_server import MAX_LINE_BYTES, start_metrics_server
+from shared.observability.metrics import Metrics
 
 # The names the brief, dashboards and docs/deploy.md rely on (vLLM's, with the baton: prefix).
 EXPECTED_FAMILIES = {
@@ -35,6 +38,10 @@ EXPECTED_FAMILIES = {
     "baton:request_success": "counter",
     "baton:prompt_tokens": "counter",
     "baton:generation_tokens": "counter",
+    "baton:redelivered_messages": "counter",
+    "baton:spill_store_bytes": "gauge",
+    "baton:memory_bandwidth_bytes_per_second": "gauge",
+    "baton:forward_seconds": "histogram",
 }
 
 
@@ -217,7 +224,7 @@ async def test_probe_cli_follows_the_http_status(served) -> None:
 
     async def probe(*args: str) -> int:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shared.http_server", *args,
+            sys.executable, "-m", "shared.observability.http_server", *args,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         return await proc.wait()
@@ -254,3 +261,99 @@ def test_cuda_device_exports_gpu_memory() -> None:
     assert _sample(f, allocated, allocated, gpu="0") >= held.numel()
     used = "baton:gpu_memory_used_perc"
     assert 0 < _sample(f, used, used, gpu="0") <= 1
+
+
+def _stats(**overrides: float) -> StepStats:
+    base = dict(
+        num_seqs=4, num_scheduled_tokens=4, num_generated_tokens=4, num_context_tokens=100,
+        forward_s=0.01,
+        prefix_queries_total=64, prefix_hits_total=16, preemptions_total=0,
+    )  # fmt: skip
+    return StepStats(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def test_engine_step_facts_feed_the_metrics() -> None:
+    """What prefill and decode feed, from StepStats, EngineLoad and KVTransferStat (running
+    totals become counter increments, so a step reported twice in a row counts once)."""
+    sm = ServiceMetrics(BatonConfig(max_num_seqs=8), "decode")
+    sm.set_decode_costs(weight_bytes=1000, kv_bytes_per_token=10)
+    sm.on_step(_stats())
+    sm.on_step(_stats(prefix_queries_total=96, prefix_hits_total=32, preemptions_total=2))
+    sm.on_transfer(KVTransferStat("shm", 4096, 0.002))
+    sm.on_load(EngineLoad(num_waiting=2, num_running=3, num_used_blocks=30, num_free_blocks=10))
+    sm.on_redelivered("baton.decode")
+    f = _families(sm.metrics.render().decode())
+    assert _sample(f, "baton:generation_tokens", "baton:generation_tokens_total") == 8
+    assert _sample(f, "baton:prefix_cache_queries", "baton:prefix_cache_queries_total") == 96
+    assert _sample(f, "baton:prefix_cache_hits", "baton:prefix_cache_hits_total") == 32
+    preempted = _sample(f, "baton:num_preemptions", "baton:num_preemptions_total", mode="recompute")
+    assert preempted == 2
+    assert _sample(f, "baton:batch_size", "baton:batch_size_count") == 2
+    utilization = "baton:batch_token_utilization"
+    assert _sample(f, utilization, utilization + "_sum") == pytest.approx(2 * 4 / 8)
+    assert _sample(f, "baton:kv_cache_usage_perc", "baton:kv_cache_usage_perc") == 0.75
+    bandwidth = "baton:memory_bandwidth_bytes_per_second"
+    assert _sample(f, bandwidth, bandwidth) == pytest.approx((1000 + 100 * 10) / 0.01)
+    handoff = "baton:handoff_bytes"
+    assert _sample(f, handoff, handoff + "_total", transport="shm") == 4096
+    assert _sample(f, "baton:num_requests_running", "baton:num_requests_running") == 3
+    assert _sample(f, "baton:num_requests_waiting", "baton:num_requests_waiting") == 2
+    redelivered = "baton:redelivered_messages"
+    assert _sample(f, redelivered, redelivered + "_total", queue="baton.decode") == 1
+
+
+def test_prefill_utilization_is_against_the_token_budget() -> None:
+    sm = ServiceMetrics(BatonConfig(max_num_batched_tokens=1000), "prefill")
+    sm.on_step(_stats(num_scheduled_tokens=250, num_context_tokens=0))
+    f = _families(sm.metrics.render().decode())
+    utilization = "baton:batch_token_utilization"
+    assert _sample(f, utilization, utilization + "_sum") == pytest.approx(0.25)
+    bandwidth = "baton:memory_bandwidth_bytes_per_second"
+    assert _sample(f, bandwidth, bandwidth) == 0  # a decode figure: prefill never sets it
+
+
+async def test_spill_store_size_is_polled_while_the_endpoint_runs() -> None:
+    port = _free_port()
+    sm = ServiceMetrics(BatonConfig(metrics_port=port), "prefill")
+    sm.watch_spill_store(lambda: 12345)
+    await sm.start(ready=lambda: True)
+    try:
+        for _ in range(100):
+            status, _, body = await _http(port, _get("/metrics"))
+            f = _families(body.decode())
+            if _sample(f, "baton:spill_store_bytes", "baton:spill_store_bytes") == 12345:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("spill store size never exported")
+        assert status == 200
+    finally:
+        await sm.stop()
+
+
+def test_engine_service_registers_the_gpu_collector_on_cuda() -> None:
+    """Registration touches no device (the collector reads it at scrape time), so this runs on
+    any machine; ``test_cuda_device_exports_gpu_memory`` checks the values on a GPU."""
+    from types import SimpleNamespace
+
+    from services.prefill.service import PrefillService
+    from shared.observability.metrics import _CudaCollector
+
+    def collectors(device: str) -> list[object]:
+        engine: object = SimpleNamespace(connector=object())
+        service = PrefillService(BatonConfig(device=device), engine)  # type: ignore[arg-type]
+        registry = service.shell.metrics.metrics.registry
+        return [c for c in registry._collector_to_names if isinstance(c, _CudaCollector)]
+
+    assert len(collectors("cuda:0")) == 1
+    assert collectors("cpu") == []
+
+
+def test_swaps_feed_the_preemption_and_swap_in_counters() -> None:
+    sm = ServiceMetrics(BatonConfig(max_num_seqs=8), "decode")
+    sm.on_step(_stats(swaps_out_total=3, swaps_in_total=1))
+    sm.on_step(_stats(swaps_out_total=3, swaps_in_total=2))  # running totals: deltas counted
+    f = _families(sm.metrics.render().decode())
+    swapped = _sample(f, "baton:num_preemptions", "baton:num_preemptions_total", mode="swap")
+    assert swapped == 3
+    assert _sample(f, "baton:num_swap_ins", "baton:num_swap_ins_total") == 2

@@ -1,15 +1,23 @@
-"""Greedy parity with Hugging Face: Baton's engine emits exactly transformers' tokens.
+"""Greedy parity with Hugging Face, through the production engines.
 
-fp32 on CPU, tiny llama / qwen2 / qwen3. The engine is driven the way the services drive it:
-batched and chunked prefill under a token budget, continuous-batching decode with sequences
-joining mid-way, prefix-cache hits, preemption with recompute, and the disaggregated handoff
-(prefill in one ModelRunner, KV moved with read_blocks -> write_blocks, decode in another).
+Every scenario runs the real ``PrefillEngine`` -> KV connector -> ``DecodeEngine``, each engine
+with its own ModelRunner and KV cache, built and wired by ``tests/engine/helpers.py:EnginePair``
+as the services build and wire them (plumbing only) — once per KV transport: ``shm`` (the spill
+store) and ``pool`` (decode copies from prefill's shared KV pool and releases it; a spill
+folder per test either way). fp32 on CPU,
+tiny llama / qwen2 / qwen3 / mistral (with ``sliding_window`` set: full attention is exact
+because the window covers max_model_len; a smaller window is refused, see
+tests/engine/test_model_runner.py). Every completion must equal transformers'
+``generate(do_sample=False)`` token for token: batched and chunked prefill, sequences joining a
+running decode batch, prefix-cache hits in both engines, preemption with recompute, a handoff
+whose KV never reaches decode (decode recomputes), and a seeded sampled request that replays
+identically whatever happens to it.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,21 +26,25 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.engine import BlockManager, ModelRunner, Sequence
+from shared.core.outputs import AddResult
+from shared.engine import ModelConfig
+from shared.models.tiny.builder import ARCHS
+from shared.wire.sampling import SamplingParams
 from tests.engine.helpers import (
-    MiniEngine,
+    KV_TRANSPORTS,
+    EnginePair,
     greedy,
     hf_greedy,
-    make_runner,
     tiny_model_dir,
     torch_threads,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3")
 TEXT = (
     "The river town woke slowly. Fishermen pushed their boats into the grey water while the "
     "baker opened his shutters and the smell of warm bread drifted down the narrow streets."
 )
+BS = 16  # BatonConfig's default block size, which every engine here uses
+BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4  # tiny preset: layers x K/V x block x kv heads x dim x fp32
 
 
 @dataclass(frozen=True)
@@ -42,17 +54,42 @@ class Case:
     max_tokens: int
     ignore_eos: bool
 
+    @property
+    def sampling(self) -> SamplingParams:
+        return greedy(self.max_tokens, self.ignore_eos)
+
 
 @dataclass
 class Model:
     arch: str
     path: Path
     hf: Any  # transformers PreTrainedModel
-    cases: list[Case]
+    cases: dict[str, Case]
     expected: dict[str, list[int]]  # case name -> HF greedy tokens
 
-    def reference(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
-        return hf_greedy(self.hf, prompt, greedy(max_tokens, ignore_eos))
+    def reference(self, prompt: list[int], sampling: SamplingParams) -> list[int]:
+        with torch_threads(1):
+            return hf_greedy(self.hf, prompt, sampling)
+
+    def add(self, pair: EnginePair, *names: str) -> None:
+        for name in names:
+            case = self.cases[name]
+            assert pair.add(name, case.prompt, case.sampling) is AddResult.ADDED
+
+    def check(self, pair: EnginePair, names: tuple[str, ...]) -> None:
+        """HF's tokens and finish reasons, and nothing left behind in either engine; whatever
+        KV decode loaded came through the pair's transport, but for its own swap-ins (through
+        the spill store whatever the transport)."""
+        assert not pair.errors
+        other = [t.transport for t in pair.loads if t.transport != pair.transport]
+        assert other == ["shm"] * len(other) and len(other) <= len(pair.swapped), pair.loads
+        eos = set(pair.decode.eos_token_ids)
+        for name in names:
+            expected, case = self.expected[name], self.cases[name]
+            assert pair.tokens[name] == expected, name
+            stopped = not case.ignore_eos and expected[-1] in eos
+            assert pair.finish[name] == ("stop" if stopped else "length"), name
+        pair.assert_clean()
 
 
 def build_cases(path: Path, vocab_size: int) -> list[Case]:
@@ -88,6 +125,8 @@ def build_cases(path: Path, vocab_size: int) -> list[Case]:
         Case("ids-64", ids(64), 64, True),  # block-aligned prompt, long output
         Case("ids-129", ids(129), 12, False),  # one past a budget-sized chunk
         Case("ids-300", ids(300), 20, True),  # chunked over three prefill steps
+        Case("ids-40a", ids(40), 40, True),  # two that outgrow a small decode cache together
+        Case("ids-40b", ids(40), 40, True),
     ]
     lengths = sorted(len(c.prompt) for c in cases)
     assert lengths[0] == 1 and lengths[-1] == 300, lengths
@@ -96,124 +135,216 @@ def build_cases(path: Path, vocab_size: int) -> list[Case]:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request: pytest.FixtureRequest) -> Iterator[Model]:
+    """One HF model and its greedy references per arch, shared by every scenario."""
     arch = request.param
     with torch_threads(1):
         path = tiny_model_dir(arch)
+        if arch == "mistral":  # in the suite with its window set, not silently ignored
+            window = ModelConfig.from_dir(path).sliding_window
+            assert window is not None and window >= 2048
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         cases = build_cases(path, hf.config.vocab_size)
-        expected = {
-            c.name: hf_greedy(hf, c.prompt, greedy(c.max_tokens, c.ignore_eos)) for c in cases
-        }
-        yield Model(arch, path, hf, cases, expected)
+        expected = {c.name: hf_greedy(hf, c.prompt, c.sampling) for c in cases}
+        yield Model(arch, path, hf, {c.name: c for c in cases}, expected)
+
+
+@pytest.fixture(params=KV_TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+PairFactory = Callable[..., EnginePair]
 
 
 @pytest.fixture
-def runner(model: Model) -> Iterator[ModelRunner]:
-    with torch_threads(1):
-        yield make_runner(model.path, num_kv_blocks=128)
+def make_pair(model: Model, transport: str, tmp_path: Path) -> Iterator[PairFactory]:
+    """``make_pair(tag="", **EnginePair.build options)``: a pair on this test's transport, in
+    its own spill folder; closed (pool files and mappings given back) after the test."""
+    made: list[EnginePair] = []
+
+    def make(tag: str = "", **kw: Any) -> EnginePair:
+        made.append(
+            EnginePair.build(model.path, tmp_path / tag / "spill", transport=transport, **kw)
+        )
+        return made[-1]
+
+    yield make
+    for pair in made:
+        pair.close()
 
 
-def test_continuous_batching_matches_hf(model: Model, runner: ModelRunner) -> None:
-    engine = MiniEngine(runner, token_budget=128)
-    for case in model.cases:
-        engine.add(Sequence(case.name, case.prompt, greedy(case.max_tokens, case.ignore_eos)))
-    with torch_threads(1):
-        finished = engine.run()
-    # The scenario really batched, chunked and joined mid-way.
-    assert any(len(batch) >= 3 for batch in engine.prefill_batches)
-    chunks = [n for batch in engine.prefill_batches for rid, n in batch if rid == "ids-300"]
-    assert len(chunks) >= 3 and max(chunks) <= 128 and sum(chunks) == 300
-    for case in model.cases:
-        assert finished[case.name].output_token_ids == model.expected[case.name], case.name
-    assert engine.block_manager.num_used_blocks == 0
+def kv_never_arrives(transport: str) -> dict[str, Any]:
+    """``EnginePair.build`` options under which no handoff's KV reaches decode: the spill store
+    has no room (prefill sends the handoff without KV), or the pool's lease is shorter than
+    decode's safety margin (decode refuses to copy and releases the pin). Decode recomputes."""
+    if transport == "shm":
+        return {"spill_max_bytes": 0}
+    return {"prefill": {"kv_lease_s": 0.0}}
 
 
-def test_prefix_cache_hits_match_hf(model: Model, runner: ModelRunner) -> None:
-    bs = runner.block_size
+def test_batched_chunked_and_joining_a_running_batch(
+    model: Model, transport: str, make_pair: PairFactory
+) -> None:
+    """Prompts batch under a 128-token prefill budget (ids-300 is chunked); a second wave is
+    submitted while decode runs the first, and joins its running batch."""
+    pair = make_pair(prefill={"max_num_batched_tokens": 128})
+    early = ("ids-1", "text-short", "chat-short", "ids-16", "text-long")
+    late = ("chat-long", "ids-64", "ids-129", "ids-300")
+    model.add(pair, *early)
+    joined_at: list[int] = []
+
+    def submit_late(i: int) -> None:
+        if not joined_at and pair.decode.num_running > 0:
+            joined_at.append(pair.decode.num_running)
+            model.add(pair, *late)
+
+    pair.run(between=submit_late)
+    assert joined_at, "decode never ran the first wave"
+    prefills = pair.prefill_log.prefills
+    assert any(len(call) >= 3 for call in prefills)  # batched
+    chunks = pair.prefill_log.chunks("ids-300")
+    assert len(chunks) >= 3 and max(chunks) <= 128 and sum(chunks) == 300  # chunked
+    assert all(sum(n for _, _, n, _ in call) <= 128 for call in prefills)
+    # Late requests decoded in the same forwards as early ones.
+    assert any(set(call) & set(early) and set(call) & set(late) for call in pair.decode_log.decodes)
+    assert not pair.decode_log.prefills  # every handoff carried its KV
+    assert all(h.kv is not None and h.kv.transport == transport for h in pair.handoffs.values())
+    assert len(pair.loads) == len(pair.handoffs)  # ... and decode loaded it from the transport
+    model.check(pair, early + late)
+
+
+def test_prefix_cache_hits_in_both_engines(model: Model, make_pair: PairFactory) -> None:
     rng = random.Random(99)
-    vocab = runner.model_config.vocab_size
-    prefix = [rng.randrange(3, vocab) for _ in range(2 * bs)]
+    vocab = model.hf.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(2 * BS)]
     first = prefix + [rng.randrange(3, vocab) for _ in range(10)]
-    cases = {
+    prompts = {
         "first": first,
         "shares-2-blocks": prefix + [rng.randrange(3, vocab) for _ in range(7)],
-        "prefix-plus-one": first[: 2 * bs + 1],  # hit covers 2 blocks, computes 1 token
-        "exact-prefix": prefix,  # full hit would leave nothing to compute: 1 block is reused
+        "prefix-plus-one": first[: 2 * BS + 1],  # hit covers 2 blocks, computes 1 token
+        "exact-prefix": prefix,  # a full hit would leave nothing to compute: 1 block is reused
     }
-    engine = MiniEngine(runner)
-    with torch_threads(1):
-        engine.add(Sequence("first", first, greedy(6)))
-        engine.run()  # its prompt blocks are computed and published before the others arrive
-        for name, prompt in list(cases.items())[1:]:
-            engine.add(Sequence(name, prompt, greedy(6)))
-        finished = engine.run()
-        expected = {
-            name: model.reference(prompt, 6, ignore_eos=False) for name, prompt in cases.items()
-        }
-    cached = {name: finished[name].num_cached_tokens for name in cases}
+    sampling = greedy(6, ignore_eos=True)  # never ends at prefill: every request reaches decode
+    pair = make_pair()
+    pair.add("first", first, sampling)
+    pair.run()  # its blocks are computed and published in both engines before the others
+    for name, prompt in list(prompts.items())[1:]:
+        pair.add(name, prompt, sampling)
+    pair.run()
+    cached = {name: pair.prefill_log.cached(name) for name in prompts}
     assert cached == {
         "first": 0,
-        "shares-2-blocks": 2 * bs,
-        "prefix-plus-one": 2 * bs,
-        "exact-prefix": bs,
+        "shares-2-blocks": 2 * BS,
+        "prefix-plus-one": 2 * BS,
+        "exact-prefix": BS,
     }
-    assert engine.block_manager.num_prefix_hit_tokens == 5 * bs
-    for name in cases:
-        assert finished[name].output_token_ids == expected[name], name
+    assert pair.prefill.block_manager.num_prefix_hit_tokens == 5 * BS
+    # Decode finds first's blocks too (it published them after its forwards) and loads only the
+    # rest from the connector: each later request holds prompt + 1 tokens, so 2 blocks hit.
+    assert pair.decode.block_manager.num_prefix_hit_tokens == 3 * 2 * BS
+    assert not pair.decode_log.prefills
+    assert len(pair.loads) == len(prompts)
+    assert all(t.transport == pair.transport for t in pair.loads)
+    for name, prompt in prompts.items():
+        assert pair.tokens[name] == model.reference(prompt, sampling), name
+    pair.assert_clean()
 
 
-def test_preempted_sequence_recomputes_to_the_same_tokens(
-    model: Model, runner: ModelRunner
+def test_preemption_recomputes_to_the_same_tokens(model: Model, make_pair: PairFactory) -> None:
+    """Decode has 8 blocks (128 tokens); two sequences growing from 41 to 79 tokens (3 to 5
+    blocks each) cannot both fit: the scheduler preempts the later arrival, the earlier one
+    finishes, and the victim comes back — its first blocks still cached, the rest recomputed."""
+    names = ("ids-40a", "ids-40b")
+    pair = make_pair(decode_blocks=8, decode={"decode_preemption": "recompute"})
+    model.add(pair, *names)
+    pair.run()
+    assert pair.decode.scheduler.num_preemptions > 0
+    recomputed = pair.decode_log.prefills
+    assert recomputed and {rid for call in recomputed for rid, *_ in call} == {"ids-40b"}
+    assert pair.decode_log.cached("ids-40b") > 0  # resumed on its own published blocks
+    model.check(pair, names)
+
+
+def test_preemption_swaps_out_and_in_to_the_same_tokens(
+    model: Model, make_pair: PairFactory
 ) -> None:
-    case = next(c for c in model.cases if c.name == "ids-64")
-    other = next(c for c in model.cases if c.name == "chat-long")
-    engine = MiniEngine(runner)
-    victim = Sequence(case.name, case.prompt, greedy(case.max_tokens, case.ignore_eos))
-    engine.add(victim)
-    engine.add(Sequence(other.name, other.prompt, greedy(other.max_tokens, other.ignore_eos)))
-    with torch_threads(1):
-        engine.prefill_step()
-        for _ in range(20):
-            engine.decode_step()
-        engine.preempt(victim)  # 85 tokens to recompute: 80 of them are prefix-cache hits
-        finished = engine.run()
-    assert (
-        victim.num_cached_tokens == (len(case.prompt) + 20) // runner.block_size * runner.block_size
-    )
-    assert finished[case.name].output_token_ids == model.expected[case.name]
-    assert finished[other.name].output_token_ids == model.expected[other.name]
+    """The same squeeze with swap preemption (the default): the victim's KV goes to the spill
+    store, the request back through baton.decode (here to the same worker: the cross-worker
+    case is tests/core/test_swap_preemption.py) and its KV is loaded, not recomputed."""
+    names = ("ids-40a", "ids-40b")
+    pair = make_pair(decode_blocks=8)
+    model.add(pair, *names)
+    pair.run()
+    assert pair.decode.scheduler.num_swaps > 0 and pair.decode.scheduler.num_preemptions == 0
+    assert set(pair.swapped) == {"ids-40b"} and pair.decode.num_swaps_in == len(pair.swapped)
+    assert pair.decode_log.prefills == []  # nothing recomputed
+    model.check(pair, names)
 
 
-def test_disaggregated_handoff_matches_hf(model: Model, runner: ModelRunner) -> None:
-    """Prefill in one runner, move the KV with read_blocks -> write_blocks, decode in another."""
+def test_handoff_without_kv_is_recomputed_by_decode(
+    model: Model, transport: str, make_pair: PairFactory
+) -> None:
+    """KV that never reaches decode is recomputed there, in 64-token chunks. ``shm``: the spill
+    store holds 10 blocks: some prompts' KV goes through it, ids-300's (19 blocks) never fits,
+    so its handoff carries no KV. ``pool``: every handoff names its blocks, but the lease ends
+    before decode may copy them: decode refuses each one (never reads KV that may be reused),
+    releases the pin and recomputes."""
     names = ("chat-short", "ids-129", "ids-300", "text-long")
-    cases = [c for c in model.cases if c.name in names]
-    with torch_threads(1):
-        decode_runner = make_runner(model.path, num_kv_blocks=96)
-        prefill_bm = BlockManager(runner.num_kv_blocks, runner.block_size)
-        decode = MiniEngine(decode_runner)
-        decode_bm = decode.block_manager
-        # Occupy some decode blocks so block ids differ between the two engines.
-        decode_bm.allocate_blocks(Sequence("filler", [0], greedy(1)), 5 * decode_runner.block_size)
-        for case in cases:
-            seq = Sequence(case.name, case.prompt, greedy(case.max_tokens, case.ignore_eos))
-            prefill_bm.allocate(seq)
-            first = runner.prefill([seq], [seq.num_tokens])[0]
-            assert first is not None
-            kv = runner.read_blocks(seq.block_table)
-            prefill_bm.free(seq)
-            runner.kv_cache.zero_()  # the copy must not alias the prefill pool
+    decode = {"max_num_batched_tokens": 64}
+    if transport == "shm":
+        pair = make_pair(spill_max_bytes=10 * BLOCK_BYTES, decode=decode)
+    else:
+        pair = make_pair(decode=decode, **kv_never_arrives(transport))
+    model.add(pair, *names)
+    pair.run()
+    without = {rid for rid, h in pair.handoffs.items() if h.kv is None}
+    if transport == "shm":
+        assert "ids-300" in without and without != pair.handoffs.keys()
+    else:
+        assert not without and not pair.loads
+        assert pair.decode.connector.stats().stale_loads == len(pair.handoffs)
+        for name in pair.handoffs:
+            assert sum(pair.decode_log.chunks(name)) == len(model.cases[name].prompt), name
+    recomputed = pair.decode_log.chunks("ids-300")
+    assert sum(recomputed) == 300 and max(recomputed) <= 64
+    model.check(pair, names)
 
-            received = Sequence(case.name, case.prompt, seq.sampling)
-            decode_bm.allocate_blocks(received, received.num_tokens)
-            decode_runner.write_blocks(received.block_table, kv)
-            received.num_computed_tokens = received.num_tokens
-            received.append_token(first)
-            if received.num_output_tokens >= received.sampling.max_tokens:
-                decode.finished[case.name] = received
-            else:
-                decode.running.append(received)
-            decode.decode_step()  # decode batch grows while handoffs arrive
-        finished = decode.run()
-    for case in cases:
-        assert finished[case.name].output_token_ids == model.expected[case.name], case.name
+
+def test_seeded_sampling_replays_identically(
+    model: Model, transport: str, make_pair: PairFactory
+) -> None:
+    """A sampled request emits the same tokens alone, in a batch, through preemption and
+    recompute, through swap-out and swap-in, and without KV: sampling is a function of (seed,
+    position)."""
+    case = model.cases["chat-short"]
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=40, ignore_eos=True
+    )
+
+    def run(tag: str, *others: str, params: SamplingParams = params, **kw: Any) -> EnginePair:
+        pair = make_pair(tag, **kw)
+        model.add(pair, *others)
+        pair.add("s", case.prompt, params)
+        pair.run()
+        assert not pair.errors
+        pair.assert_clean()
+        return pair
+
+    alone = run("alone").tokens["s"]
+    assert len(alone) == 40
+    assert run("batched", "chat-short", "ids-16").tokens["s"] == alone
+    # ids-40a (41 -> 79 tokens) and s (28 -> 66) outgrow 8 decode blocks: s, the later arrival,
+    # is preempted and recomputed.
+    recompute = {"decode_preemption": "recompute"}
+    preempted = run("preempted", "ids-40a", decode_blocks=8, decode=recompute)
+    assert preempted.decode.scheduler.num_preemptions > 0
+    assert preempted.decode_log.chunks("s")  # it was the victim: recomputed in decode
+    assert preempted.tokens["s"] == alone
+    swapped = run("swapped", "ids-40a", decode_blocks=8)  # swapped out and in instead
+    assert swapped.swapped == ["s"] and swapped.tokens["s"] == alone
+    without_kv = run("without-kv", **kv_never_arrives(transport))
+    assert not without_kv.loads and without_kv.decode_log.chunks("s")  # recomputed in decode
+    assert without_kv.tokens["s"] == alone
+    other_seed = run("other-seed", params=SamplingParams(**{**params.to_dict(), "seed": 7}))
+    assert other_seed.tokens["s"] != alone
+    assert alone != model.reference(case.prompt, greedy(40, ignore_eos=True))  # it sampled

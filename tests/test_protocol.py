@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, asdict
 from typing import Any
 
 import msgpack
 import pytest
 
-from shared.protocol import (
+from shared.wire.messages import (
     SCHEMA_VERSION,
     ControlMsg,
     DetokMsg,
@@ -18,10 +18,12 @@ from shared.protocol import (
     ErrorReply,
     HandoffMsg,
     KVDescriptor,
+    KVRelease,
+    KVReleaseMsg,
     PrefillMsg,
     ProtocolError,
     RequestMsg,
-    Sampling,
+    SamplingParams,
     StartInfo,
     TokenEvent,
     TokenReply,
@@ -31,8 +33,12 @@ from shared.protocol import (
 )
 
 LIMIT = 1 << 20
-SAMPLING = Sampling(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, ignore_eos=True)
-KV = KVDescriptor("shm", "req-1-abc", 33, 4096, [2, 2, 3, 16, 1, 8], "bfloat16")
+SAMPLING = SamplingParams(
+    max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, ignore_eos=True
+)
+KV = KVDescriptor(
+    "shm", 1, 33, 4096, {"key": "req-1-abc", "shape": [2, 2, 3, 16, 1, 8], "dtype": "bfloat16"}
+)
 
 
 def raw(msg: Any) -> dict[str, Any]:
@@ -60,9 +66,9 @@ INTERNAL = [
         arrival_time=1700000000.25,
         deadline=1700000010.5,
     ),
-    PrefillMsg("r2", "q", [1], Sampling()),
+    PrefillMsg("r2", "q", [1], SamplingParams()),
     HandoffMsg("r3", [1, 2, 3], [9], SAMPLING, KV, priority=3, arrival_time=1.5, deadline=None),
-    HandoffMsg("r4", [1, 2, 3], [9], Sampling(), None),
+    HandoffMsg("r4", [1, 2, 3], [9], SamplingParams(), None),
     DetokMsg(
         starts=[
             StartInfo("r5", "q5", 12, ["x"], False, 1.0, 2.0, 99),
@@ -89,7 +95,7 @@ def test_internal_round_trip(msg: Any) -> None:
     assert back == msg
     # nested dataclasses come back as dataclasses, not maps
     if isinstance(msg, (PrefillMsg, HandoffMsg)):
-        assert isinstance(back.sampling, Sampling)
+        assert isinstance(back.sampling, SamplingParams)
     if isinstance(msg, HandoffMsg) and msg.kv is not None:
         assert isinstance(back.kv, KVDescriptor)
     if isinstance(msg, DetokMsg):
@@ -97,7 +103,7 @@ def test_internal_round_trip(msg: Any) -> None:
         assert all(isinstance(e, TokenEvent) for e in back.events)
 
 
-@pytest.mark.parametrize("v", [None, 0, 2, SCHEMA_VERSION + 1, "1", 1.5, True])
+@pytest.mark.parametrize("v", [None, 0, SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, "1", 1.5, True])
 def test_internal_refuses_unknown_schema_version(v: Any) -> None:
     msg = INTERNAL[1]
     d = raw(msg)
@@ -240,7 +246,7 @@ def test_request_encode_matches_contract() -> None:
     [({"prompt": "hello"}, "prompt"), ({"prompt_token_ids": (1, 2, 3)}, "prompt_token_ids")],
 )
 def test_request_encode_carries_exactly_one_prompt_field(kwargs: dict, field: str) -> None:
-    d = unpack(RequestMsg("r", Sampling(), **kwargs).encode(), LIMIT)
+    d = unpack(RequestMsg("r", SamplingParams(), **kwargs).encode(), LIMIT)
     present = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     assert present == [field]
     assert d[field] == (list(kwargs[field]) if field == "prompt_token_ids" else kwargs[field])
@@ -249,7 +255,7 @@ def test_request_encode_carries_exactly_one_prompt_field(kwargs: dict, field: st
 def test_request_and_sampling_are_frozen() -> None:
     with pytest.raises(FrozenInstanceError):
         SAMPLING.max_tokens = 3  # type: ignore[misc]
-    assert Sampling.from_dict(SAMPLING.to_dict()) == SAMPLING
+    assert SamplingParams.from_dict(SAMPLING.to_dict()) == SAMPLING
 
 
 # --- control messages -------------------------------------------------------------------------
@@ -306,7 +312,7 @@ def test_drain_ignores_a_non_string_request_id() -> None:
 
 
 REPLIES: list[Any] = [
-    TokenReply("r", "hé", [1, 2], 3),
+    TokenReply("r", "hé", [1, 2], 3, 7),
     DoneReply(
         "r",
         "full text",
@@ -323,12 +329,15 @@ REPLIES: list[Any] = [
 def test_reply_round_trip(reply: Any) -> None:
     d = unpack(reply.encode(), LIMIT)
     assert d["type"] == reply.type and d["request_id"] == "r"
-    assert decode_reply(reply.encode()) == reply
+    assert decode_reply(reply.encode(), LIMIT) == reply
 
 
 def test_reply_shapes_match_contract() -> None:
     token, done, error = (unpack(r.encode(), LIMIT) for r in REPLIES)
-    assert set(token) == {"type", "request_id", "text", "token_ids", "index"}
+    # The contract's fields, plus ``text_offset``: an addition old clients may ignore.
+    assert set(token) == {"type", "request_id", "text", "token_ids", "index", "text_offset"}
+    bare = unpack(TokenReply("r", "x", [1], 0).encode(), LIMIT)
+    assert set(bare) == {"type", "request_id", "text", "token_ids", "index"}
     assert set(done) == {
         "type",
         "request_id",
@@ -358,7 +367,7 @@ def test_reply_shapes_match_contract() -> None:
 )
 def test_decode_reply_refuses_malformed(body: bytes) -> None:
     with pytest.raises(ProtocolError):
-        decode_reply(body)
+        decode_reply(body, LIMIT)
 
 
 def test_decode_reply_size_limit() -> None:
@@ -379,3 +388,11 @@ def test_protocol_error_carries_code_and_message() -> None:
         "timeout",
         "internal",
     }
+
+
+def test_kv_release_round_trip_and_malformed() -> None:
+    msg = KVReleaseMsg(releases=[KVRelease("pool", "w1", "r1", {"generation": "g", "send_id": 3})])
+    assert KVReleaseMsg.decode(msg.encode(), LIMIT) == msg
+    for bad in (["x"], [{"transport": "pool"}], [{**asdict(msg.releases[0]), "payload": 5}]):
+        with pytest.raises(ProtocolError):
+            KVReleaseMsg.decode(repack(msg, releases=bad), LIMIT)

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.tiny_model import (
+from shared.models.tiny.builder import (
     ARCHS,
     MARKER_FILE,
     PRESETS,
@@ -23,7 +23,7 @@ from shared.tiny_model import (
     ensure_tiny_model,
     main,
 )
-from shared.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START
+from shared.models.tiny.tokenizer import ENDOFTEXT, IM_END, IM_START
 
 HF_FILES = (
     "config.json",
@@ -74,6 +74,9 @@ def test_files_and_config(model_dir: Path) -> None:
     assert config["head_dim"] == p.head_dim
     assert config["tie_word_embeddings"] == (arch == "qwen3")
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == p.rope_theta
+    # Mistral's window is set (the engine's sliding-window rule applies) and covers every position.
+    window = p.max_position_embeddings if arch == "mistral" else None
+    assert config.get("sliding_window") == window
     assert marker["num_params"] == count_params(p, arch)["total"]
 
 

@@ -8,9 +8,9 @@ import msgpack
 import pytest
 
 from shared.config import BatonConfig
-from shared.protocol import RequestMsg, Sampling
-from shared.protocol_errors import ErrorCode, ProtocolError
-from shared.validation import parse_request, parse_request_map
+from shared.wire.errors import ErrorCode, ProtocolError
+from shared.wire.messages import RequestMsg, SamplingParams
+from shared.wire.validation import parse_request, parse_request_map
 
 CONFIG = BatonConfig(
     max_message_bytes=4096,
@@ -39,8 +39,8 @@ def refused(code: ErrorCode = ErrorCode.INVALID_REQUEST, **fields: Any) -> str:
 
 def test_defaults() -> None:
     msg = parse()
-    assert msg == RequestMsg(request_id="r1", sampling=Sampling(), prompt="hello")
-    assert msg.sampling == Sampling(16, 0.0, 1.0, 0, None, False)
+    assert msg == RequestMsg(request_id="r1", sampling=SamplingParams(), prompt="hello")
+    assert msg.sampling == SamplingParams()
     assert msg.stop == () and msg.stream is True and msg.priority == 0 and msg.timeout_s is None
 
 
@@ -57,7 +57,9 @@ def test_every_field_set() -> None:
         priority=9,
         timeout_s=3,
     )
-    assert msg.sampling == Sampling(100, 0.7, 0.5, 50, 2**63 - 1, True)
+    assert msg.sampling == SamplingParams(
+        max_tokens=100, temperature=0.7, top_p=0.5, top_k=50, seed=2**63 - 1, ignore_eos=True
+    )
     assert msg.stop == ("a", "bcdef") and msg.stream is False and msg.priority == 9
     assert msg.timeout_s == 3.0 and isinstance(msg.timeout_s, float)
 
@@ -179,8 +181,11 @@ def test_request_id_required_non_empty_string(rid: Any) -> None:
 
 
 def test_request_id_length_limit() -> None:
-    assert parse(request_id="x" * 256).request_id == "x" * 256
+    assert parse(request_id="x" * 255).request_id == "x" * 255
     assert "request_id is longer than 256" in refused(request_id="x" * 257)
+    # It comes back as the AMQP correlation_id, at most 255 bytes: counted in UTF-8.
+    assert "longer than 255 bytes" in refused(request_id="x" * 256)
+    assert "longer than 255 bytes" in refused(request_id="\u00e9" * 128)
 
 
 # --- numeric fields ---------------------------------------------------------------------------

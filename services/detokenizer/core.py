@@ -7,6 +7,10 @@ before passing it on), so it alone decides when a request is over and answers ex
 - a stop string, a cancel or a passed deadline ends a request here, and the workers are told to
   drop it (``aborts``);
 - finished ids are remembered (bounded) so late events and duplicate starts are ignored.
+
+Every output is a function of the inputs' order, never of timing except for where stream
+batches are cut: replayed from the same inputs after a crash (see ``ledger.py``), a fresh core
+emits the same text at the same positions and text offsets, so a client can drop what it has.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.detokenizer.incremental import Decode, IncrementalDetokenizer
-from shared.protocol import DoneReply, ErrorReply, Reply, StartInfo, TokenEvent, TokenReply
-from shared.protocol_errors import ErrorCode
+from shared.wire.errors import ErrorCode
+from shared.wire.messages import DoneReply, ErrorReply, Reply, StartInfo, TokenEvent, TokenReply
 
 log = structlog.get_logger(__name__)
 
@@ -46,17 +50,26 @@ class Output:
     replies: list[tuple[str, Reply]] = field(default_factory=list)  # (reply_to, reply)
     aborts: list[str] = field(default_factory=list)  # ended here: workers should drop them
     finished: list[tuple[StartInfo, DoneReply | ErrorReply]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # events of unknown requests given up
 
 
 class DetokenizerCore:
     def __init__(
-        self, decode: Decode, max_finished: int = 200_000, stream_interval_s: float = 0.0
+        self,
+        decode: Decode,
+        max_finished: int = 200_000,
+        stream_interval_s: float = 0.0,
+        max_stream_replies_per_s: float = 0.0,
     ) -> None:
         self._decode = decode
         # Streamed tokens of a request are coalesced into one reply per interval (the first
         # token and the terminal reply are never held back): the broker's message rate, not
         # the model, is the limit on small machines. 0 = one reply per batch.
         self.stream_interval_s = stream_interval_s
+        # The budget of token replies per second over all streams: with many streams the
+        # interval stretches to num_streams / budget, so that under load the broker and the
+        # clients spend their CPU on work, not on ever smaller deltas. 0 = no budget.
+        self.max_stream_replies_per_s = max_stream_replies_per_s
         self._active: dict[str, _Request] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._max_finished = max_finished
@@ -66,6 +79,17 @@ class DetokenizerCore:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    def is_live(self, request_id: str) -> bool:
+        """Not answered yet, and known here (registered, or events waiting for the start)."""
+        return request_id in self._active or request_id in self._orphans
+
+    def reset(self) -> None:
+        """Forget every unanswered request (their inputs will be redelivered and replayed,
+        here or on another replica); what was answered stays answered."""
+        self._active.clear()
+        self._orphans.clear()
+        self._cancelled_early.clear()
 
     # --- inputs ---------------------------------------------------------------------------------
     def start(self, info: StartInfo, now: float, out: Output) -> None:
@@ -89,6 +113,14 @@ class DetokenizerCore:
             return
         self._apply(req, ev, now, out)
 
+    def fail(self, request_id: str, message: str, out: Output) -> None:
+        """Processing this request raised: answer it ``internal`` (and forget its orphans)."""
+        req = self._active.get(request_id)
+        if req is not None:
+            self._error(req, ErrorCode.INTERNAL.value, message, out)
+        elif self._orphans.pop(request_id, None) is not None:
+            out.dropped.append(request_id)
+
     def cancel(self, request_id: str, now: float, out: Output) -> None:
         req = self._active.get(request_id)
         if req is not None:
@@ -107,18 +139,23 @@ class DetokenizerCore:
         for rid in [r for r, evs in self._orphans.items() if now - evs[0][0] > ORPHAN_EVENT_TTL_S]:
             log.warning("dropping events of an unknown request", request_id=rid)
             del self._orphans[rid]
+            out.dropped.append(rid)
+
+    @property
+    def effective_stream_interval_s(self) -> float:
+        if self.max_stream_replies_per_s <= 0:
+            return self.stream_interval_s
+        num_streaming = sum(r.info.stream for r in self._active.values())
+        return max(self.stream_interval_s, num_streaming / self.max_stream_replies_per_s)
 
     def flush(self, out: Output, now: float | None = None) -> None:
         """End of a batch: a token reply per streaming request that got tokens (and, given
         ``now``, whose stream interval has passed)."""
+        interval = self.effective_stream_interval_s
         for req in self._active.values():
             if req.batch_index is None:
                 continue
-            if (
-                now is None
-                or req.last_flush_at is None
-                or now - req.last_flush_at >= self.stream_interval_s
-            ):
+            if now is None or req.last_flush_at is None or now - req.last_flush_at >= interval:
                 req.last_flush_at = now
                 self._flush_one(req, out)
 
@@ -160,9 +197,11 @@ class DetokenizerCore:
         req.detok.add(ids)
 
     def _flush_one(self, req: _Request, out: Output, final: bool = False) -> None:
+        offset = req.detok.num_streamed_chars
         delta = req.detok.take_delta(final=final)
         if req.info.stream and req.batch_index is not None:
-            reply = TokenReply(req.info.request_id, delta, req.batch_token_ids, req.batch_index)
+            rid = req.info.request_id
+            reply = TokenReply(rid, delta, req.batch_token_ids, req.batch_index, offset)
             out.replies.append((req.info.reply_to, reply))
         req.batch_index = None
         req.batch_token_ids = []
@@ -179,11 +218,11 @@ class DetokenizerCore:
         if info.stream and req.batch_index is None:
             # Nothing new this batch, but text held back (a stop-string prefix, a split
             # character) is final now: stream it so the deltas add up to the done text.
+            offset = req.detok.num_streamed_chars
             tail = req.detok.take_delta(final=True)
             if tail:
-                out.replies.append(
-                    (info.reply_to, TokenReply(info.request_id, tail, [], req.next_index))
-                )
+                reply = TokenReply(info.request_id, tail, [], req.next_index, offset)
+                out.replies.append((info.reply_to, reply))
         elif req.batch_index is not None:
             self._flush_one(req, out, final=True)
         n = len(req.detok.token_ids)

@@ -52,6 +52,11 @@ class IncrementalDetokenizer:
             self._append_text(full[len(self.text) :])
         self._holdback = 0
 
+    @property
+    def num_streamed_chars(self) -> int:
+        """Characters of the text handed out so far: the offset of the next delta."""
+        return self._streamed
+
     def take_delta(self, final: bool = False) -> str:
         """Text not yet streamed; keeps back a possible stop-string prefix unless ``final``."""
         limit = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback

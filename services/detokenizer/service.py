@@ -3,26 +3,44 @@ the tokenizer answers at once).
 
 Messages are handled in micro-batches: everything that arrived while the previous batch was being
 answered is processed together, so a streaming request gets one ``token`` reply per batch rather
-than one per decode step when the broker or this process falls behind. Inputs are acked only
-after every reply they produced is confirmed.
+than one per decode step when the broker or this process falls behind.
+
+Crash safety and replicas: the input is sharded by request id (``baton.detok.<n>``), and an
+input message is acked only once every request it carries has its terminal reply confirmed
+(``ledger.py``). Each shard has a single active consumer; every replica consumes every shard,
+its home shard at once and the others one ``detok_standby_delay_s`` apart, so replicas started
+together split the shards and each is the standby of the others. When a replica dies (or its
+channel does), the broker hands its shards' unacked messages to the next consumer, which replays
+them into a fresh state.
+
+A ``drain`` control message is ignored here: the detokenizer alone answers every accepted
+request, including those still queued upstream of a drained worker (their deadlines, cancels).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
 import time
+import zlib
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from transformers import AutoTokenizer
 
 from services.detokenizer.core import DetokenizerCore, Output
-from shared.broker import DETOK_QUEUE, Broker, Outgoing
+from services.detokenizer.ledger import DeliveryLedger
+from services.shell.broker import Outgoing
+from services.shell.common import resolve_model_dir
+from services.shell.shell import ServiceShell, ack
 from shared.config import BatonConfig
-from shared.metrics_glue import ServiceMetrics
-from shared.protocol import ControlMsg, DetokMsg, ProtocolError
+from shared.wire.messages import ControlMsg, DetokMsg, ProtocolError
+from shared.wire.queues import detok_queues
 
 log = structlog.get_logger(__name__)
 
@@ -43,38 +61,59 @@ class DetokenizerService:
     def __init__(self, config: BatonConfig, model_dir: Path) -> None:
         self.config = config
         self.core = DetokenizerCore(
-            make_decoder(model_dir), stream_interval_s=config.stream_interval_s
+            make_decoder(model_dir),
+            stream_interval_s=config.stream_interval_s,
+            max_stream_replies_per_s=config.max_stream_replies_per_s,
         )
-        self.broker = Broker(config, prefetch_count=512)
-        self.metrics = ServiceMetrics(config, self.name, broker=self.broker)
+        # A wide window: the ledger holds messages until their requests finish, and a window they
+        # filled would stop the deliveries those requests wait for (see detok_max_unacked).
+        self.shell = ServiceShell(config, self.name, prefetch=config.detok_max_unacked)
+        self.ledger = DeliveryLedger()
         self._inbox: deque[AbstractIncomingMessage] = deque()
         self._cancels: deque[str] = deque()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._standby_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self.broker.connect()
-        await self.broker.subscribe_control(self.on_control)
-        await self.metrics.start(ready=lambda: self._loop_task is not None)
+        # Not drainable: every accepted request is registered here and must get its one
+        # terminal reply, so this service keeps answering until it is stopped.
+        await self.shell.start(on_control=self.on_control, drainable=False)
+        self.shell.broker.on_intake_lost(self._intake_lost)
         self._loop_task = asyncio.create_task(self._loop())
-        await self.broker.consume(DETOK_QUEUE, self.on_message)
+        shards = detok_queues(self.config.detok_shards)
+        home = self.config.detok_home_shard
+        if home is None:  # containers all run as pid 1: their host names tell them apart
+            home = zlib.crc32(f"{socket.gethostname()}-{os.getpid()}".encode())
+        home %= len(shards)
+        await self.shell.consume(shards[home], self.on_message)
+        if len(shards) > 1:
+            self._standby_task = asyncio.create_task(self._consume_standby(shards, home))
+
+    async def _consume_standby(self, shards: tuple[str, ...], home: int) -> None:
+        for k in range(1, len(shards)):
+            await asyncio.sleep(self.config.detok_standby_delay_s)
+            await self.shell.consume(shards[(home + k) % len(shards)], self.on_message)
+
+    def _intake_lost(self) -> None:
+        """The consume channel closed: the broker requeued every unacked input, for this
+        process once it reconsumes or for another replica. Start over from those."""
+        held = self.ledger.clear()
+        self._inbox.clear()
+        self.core.reset()
+        log.warning("intake channel lost; state dropped for replay", held_messages=held)
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        await self.broker.close()
-        await self.metrics.stop()
+        for task in (self._loop_task, self._standby_task):
+            if task is not None:
+                task.cancel()
+        await self.shell.stop()
 
     async def on_message(self, delivery: AbstractIncomingMessage) -> None:
         self._inbox.append(delivery)
         self._wake.set()
 
-    async def on_control(self, message: AbstractIncomingMessage) -> None:
-        try:
-            ctl = ControlMsg.decode(message.body, self.config.max_message_bytes)
-        except ProtocolError as exc:
-            log.warning("bad control message ignored", reason=exc.message)
-            return
+    def on_control(self, ctl: ControlMsg) -> None:
         if ctl.type == "cancel" and ctl.request_id is not None:
             self._cancels.append(ctl.request_id)
             self._wake.set()
@@ -83,7 +122,7 @@ class DetokenizerService:
         while True:
             wait_s = SWEEP_INTERVAL_S
             if self.core.has_pending_stream():
-                wait_s = min(wait_s, max(self.config.stream_interval_s / 2, 0.001))
+                wait_s = min(wait_s, max(self.core.effective_stream_interval_s / 2, 0.001))
             try:
                 await asyncio.wait_for(self._wake.wait(), wait_s)
             except asyncio.TimeoutError:
@@ -100,50 +139,71 @@ class DetokenizerService:
     async def _process(self) -> None:
         now = time.time()
         out = Output()
-        deliveries = []
+        deliveries: list[tuple[AbstractIncomingMessage, set[str]]] = []
         while self._inbox:
             delivery = self._inbox.popleft()
-            deliveries.append(delivery)
             try:
                 msg = DetokMsg.decode(delivery.body, self.config.max_message_bytes)
             except ProtocolError as exc:
                 log.error("unreadable detok message dead-lettered", reason=exc.message)
-                await delivery.reject(requeue=False)
-                deliveries.pop()
+                with contextlib.suppress(Exception):  # channel gone: requeued, refused again
+                    await delivery.reject(requeue=False)
                 continue
             for info in msg.starts:
-                self.core.start(info, now, out)
+                self._guarded(info.request_id, out, self.core.start, info, now, out)
             for ev in msg.events:
-                self.core.event(ev, now, out)
+                self._guarded(ev.request_id, out, self.core.event, ev, now, out)
+            ids = {info.request_id for info in msg.starts} | {ev.request_id for ev in msg.events}
+            deliveries.append((delivery, ids))
         while self._cancels:
             self.core.cancel(self._cancels.popleft(), now, out)
         self.core.expire(now, out)
         self.core.flush(out, now)
         await self._send(out, deliveries)
 
-    async def _send(self, out: Output, deliveries: list[AbstractIncomingMessage]) -> None:
+    def _guarded(self, request_id: str, out: Output, apply: Any, *args: Any) -> None:
+        """Apply one input; if that raises (a bug, a hostile event), its request alone ends
+        with an ``internal`` error and the service goes on."""
+        try:
+            apply(*args)
+        except Exception:
+            log.exception("detokenizer failed on a request", request_id=request_id)
+            self.core.fail(request_id, "the detokenizer failed on this request", out)
+
+    async def _send(
+        self, out: Output, deliveries: list[tuple[AbstractIncomingMessage, set[str]]]
+    ) -> None:
+        # Persistent: a client's reply queue is durable, so its replies survive a broker restart.
         replies = [
-            Outgoing(reply_to, reply.encode(), correlation_id=reply.request_id, persistent=False)
+            Outgoing(reply_to, reply.encode(), correlation_id=reply.request_id)
             for reply_to, reply in out.replies
         ]
         # The core has already applied these inputs: a redelivery would be deduplicated and
         # produce no replies, so the replies themselves are retried until the broker takes them
         # (the robust connection reconnects meanwhile). Inputs are acked only afterwards.
-        await self.broker.publish_until_confirmed(replies, "replies")
+        await self.shell.broker.publish_until_confirmed(replies, "replies")
         for rid in out.aborts:
             try:
-                await self.broker.publish_control(ControlMsg("abort", rid).encode())
+                await self.shell.publish_control(ControlMsg("abort", rid).encode())
             except Exception as exc:  # workers still stop at max_tokens or the deadline
                 log.warning("abort not sent", request_id=rid, error=str(exc))
-        for d in deliveries:
-            try:
-                await d.ack()
-            except Exception:  # its channel died: redelivered, then dropped as a duplicate
-                log.debug("ack failed after reconnect", delivery_tag=d.delivery_tag)
+        # Only now that the replies are confirmed: the inputs of answered requests go.
+        for delivery, ids in deliveries:
+            if not self.ledger.hold(delivery, (rid for rid in ids if self.core.is_live(rid))):
+                await ack(delivery)  # nothing unanswered in it
+        done = [info.request_id for info, _ in out.finished] + out.dropped
+        for rid in done:
+            for delivery in self.ledger.release(rid):
+                await ack(delivery)  # a failed ack: redelivered, then ignored as finished
+        self.shell.metrics.set_detok_held(len(self.ledger), self.core.num_active)
         for info, reply in out.finished:
-            self.metrics.on_request_finished(info, reply)
+            self.shell.metrics.on_request_finished(info, reply)
             log.info(
                 "request finished",
                 request_id=info.request_id,
                 outcome=getattr(reply, "finish_reason", None) or getattr(reply, "code", None),
             )
+
+
+def build(config: BatonConfig) -> DetokenizerService:
+    return DetokenizerService(config, resolve_model_dir(config))

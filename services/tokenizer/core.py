@@ -7,22 +7,18 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from shared.config import BatonConfig
-from shared.protocol import RequestMsg
-from shared.protocol_errors import ErrorCode, ProtocolError
+from shared.core.limits import Limits
+from shared.wire.errors import ErrorCode, ProtocolError
+from shared.wire.messages import RequestMsg
 
 
 class PromptEncoder:
-    def __init__(self, model_dir: Path, config: BatonConfig) -> None:
+    def __init__(self, model_dir: Path, limits: Limits) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         model_config = json.loads((model_dir / "config.json").read_text())
         # Ids at or beyond the embedding table's size would index out of bounds in the model.
         self.vocab_size = int(model_config["vocab_size"])
-        self.max_prompt_tokens = min(
-            config.max_prompt_tokens,
-            config.max_model_len - 1,
-            int(model_config.get("max_position_embeddings", config.max_model_len)) - 1,
-        )
+        self.max_prompt_tokens = limits.max_prompt_tokens
         self._max_prompt_chars = self.max_prompt_tokens * 64  # no tokenizer yields < 1 char/64
 
     def encode(self, req: RequestMsg) -> list[int]:

@@ -1,64 +1,87 @@
 """Tokenizer service: validate, tokenize, register with the detokenizer, pass on to prefill.
 
 Bad input never goes further than here: it is answered with an ``error`` reply at once. A body
-without ``reply_to`` cannot be answered and is dead-lettered with a log line.
+without ``reply_to`` cannot be answered and is dead-lettered with a log line. ``max_tokens`` is
+clamped here, once, to what fits after the prompt (``Limits.clamp``); the priority is the body's
+when it has the field, else the AMQP header's clamped to 0..9 (``parse_request``).
+
+Scheduling policy (``shared/scheduling/policy.py``): ``overloaded`` while baton.prefill or
+baton.decode holds its limit of requests (depths polled every ``policy_poll_interval_s``); the
+deadline is the default by length (base + per prompt token + per output token), shortened by the
+client's ``timeout_s``; a short prompt is published to baton.prefill with a boosted AMQP
+priority while the prefill backlog is deep.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import random
 import time
 
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
+from services.shell.broker import Outgoing
+from services.shell.common import resolve_model_dir
+from services.shell.shell import ServiceShell
 from services.tokenizer.core import PromptEncoder
-from shared.broker import DETOK_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE, Broker, Outgoing
 from shared.config import BatonConfig
-from shared.metrics_glue import ServiceMetrics
-from shared.policy import AdmissionPolicy
-from shared.protocol import DetokMsg, ErrorReply, PrefillMsg, RequestMsg, StartInfo
-from shared.protocol_errors import ErrorCode, ProtocolError
-from shared.validation import parse_request
+from shared.core.limits import Limits
+from shared.scheduling.policy import SchedulingPolicy
+from shared.scheduling.priority import Prioritizer, wire_priority
+from shared.wire.errors import ErrorCode, ProtocolError
+from shared.wire.messages import (
+    DetokMsg,
+    ErrorReply,
+    PrefillMsg,
+    RequestMsg,
+    StartInfo,
+    TokenEvent,
+)
+from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE, detok_queue_for
+from shared.wire.validation import parse_request
 
 log = structlog.get_logger(__name__)
-
-BACKLOG_POLL_INTERVAL_S = 0.25
 
 
 class TokenizerService:
     name = "tokenizer"
 
-    def __init__(self, config: BatonConfig, encoder: PromptEncoder) -> None:
+    def __init__(self, config: BatonConfig, encoder: PromptEncoder, limits: Limits) -> None:
         self.config = config
         self.encoder = encoder
-        self.broker = Broker(config, prefetch_count=64)
-        self.metrics = ServiceMetrics(config, self.name)
-        self.admission = AdmissionPolicy(config.max_prefill_backlog)
-        self._poller: asyncio.Task[None] | None = None
+        self.limits = limits
+        # The scheduling policy: admission from both backlogs, the deadline by length, the
+        # short-prompt boost of the priority published to baton.prefill.
+        self.policy = SchedulingPolicy(config)
+        self.priorities = Prioritizer(config, short_boost=True)
+        self.shell = ServiceShell(
+            config, self.name, prefetch=self.policy.tokenizer_prefetch(), poll_queue_depths=False
+        )
+        self.shell.metrics.on_prefetch(self.policy.tokenizer_prefetch(), changed=False)
 
     async def start(self) -> None:
-        await self.broker.connect()
-        await self.metrics.start(ready=lambda: True)
-        self._poller = asyncio.create_task(self._poll_backlog())
-        await self.broker.consume(REQUESTS_QUEUE, self.on_request)
+        await self.shell.start()  # no per-request control: the detokenizer answers cancels
+        try:  # the first reading before the first request: admission never runs blind
+            await self._poll_backlog()
+        except Exception as exc:  # the periodic poll below keeps trying
+            log.warning("first backlog poll failed", error=str(exc))
+        self.shell.every(self.config.policy_poll_interval_s, self._poll_backlog, "backlog poll")
+        await self.shell.consume(REQUESTS_QUEUE, self.on_request, on_poison=self._answer_poison)
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-        await self.broker.close()
-        await self.metrics.stop()
+        await self.shell.stop()
+
+    async def wait_finished(self) -> None:
+        await self.shell.wait_finished()
 
     async def _poll_backlog(self) -> None:
-        while True:
-            try:
-                self.admission.observe(await self.broker.queue_depths([PREFILL_QUEUE]))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the broker reconnects; keep the last reading
-                log.debug("backlog poll failed", error=str(exc))
-            await asyncio.sleep(BACKLOG_POLL_INTERVAL_S)
+        # A failed poll keeps the last reading (the broker reconnects meanwhile).
+        depths = await self.shell.broker.queue_depths([PREFILL_QUEUE, DECODE_QUEUE])
+        self.policy.observe_depths(depths)
+        self.priorities.observe_backlog(self.policy.prefill_backlog)
+        self.shell.metrics.metrics.set_queue_depths(depths)
+        self.shell.metrics.on_priorities(self.priorities)
 
     async def on_request(self, message: AbstractIncomingMessage) -> None:
         arrival = time.time()
@@ -72,7 +95,7 @@ class TokenizerService:
             return
         request_id = message.correlation_id or ""
         try:
-            req = parse_request(message.body, self.config)
+            req = parse_request(message.body, self.config, header_priority=message.priority)
             request_id = req.request_id
             token_ids = self.encoder.encode(req)
         except ProtocolError as exc:
@@ -82,30 +105,37 @@ class TokenizerService:
             log.exception("tokenization failed", request_id=request_id)
             await self._reply_error(message, request_id, ErrorCode.INTERNAL, "tokenization failed")
             return
-        if not self.admission.admit():
-            await self._reply_error(
-                message, request_id, ErrorCode.OVERLOADED, self.admission.reason()
-            )
+        admission = self.policy.admission()
+        self.shell.metrics.on_admission(admission.admit)
+        if not admission.admit:
+            reason = admission.reason or "overloaded"
+            await self._reply_error(message, request_id, ErrorCode.OVERLOADED, reason)
             return
-        await self._forward(message, req, token_ids, arrival)
+        await self._forward(message, message.reply_to, req, token_ids, arrival)
 
     async def _forward(
         self,
         message: AbstractIncomingMessage,
+        reply_to: str,
         req: RequestMsg,
         token_ids: list[int],
         arrival: float,
     ) -> None:
-        assert message.reply_to is not None
-        priority = req.priority if req.priority else (message.priority or 0)
-        sampling = req.sampling
+        sampling = self.limits.clamp(req.sampling, len(token_ids))
         if sampling.temperature > 0 and sampling.seed is None:
             # Fix the seed now so a replayed request (crash, preemption) samples the same tokens.
-            sampling = type(sampling)(**{**sampling.to_dict(), "seed": random.getrandbits(63)})
-        deadline = arrival + req.timeout_s if req.timeout_s is not None else None
+            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        num_prompt = len(token_ids)
+        limit = self.policy.deadline(arrival, req.timeout_s, num_prompt, sampling.max_tokens)
+        self.shell.metrics.on_deadline(limit.source.value, limit.seconds)
+        deadline = limit.at
+        # The AMQP priority: the client's, plus the short-prompt boost while the prefill
+        # backlog is deep (shortest job first under pressure). The body keeps the client's.
+        effective = self.priorities.effective(req.priority, arrival, num_prompt, arrival)
+        wire = wire_priority(effective)
         start = StartInfo(
             request_id=req.request_id,
-            reply_to=message.reply_to,
+            reply_to=reply_to,
             num_prompt_tokens=len(token_ids),
             stop=list(req.stop),
             stream=req.stream,
@@ -115,21 +145,36 @@ class TokenizerService:
         )
         work = PrefillMsg(
             request_id=req.request_id,
-            reply_to=message.reply_to,
+            reply_to=reply_to,
             prompt_token_ids=token_ids,
             sampling=sampling,
             stop=list(req.stop),
             stream=req.stream,
-            priority=priority,
+            priority=req.priority,
             arrival_time=arrival,
             deadline=deadline,
         )
         # Registration first: the detokenizer must know the request before any token can exist.
-        await self.broker.publish(Outgoing(DETOK_QUEUE, DetokMsg(starts=[start]).encode()))
-        await self.broker.publish(Outgoing(PREFILL_QUEUE, work.encode(), priority=priority))
+        detok = detok_queue_for(req.request_id, self.config.detok_shards)
+        await self.shell.publish(Outgoing(detok, DetokMsg(starts=[start]).encode()))
+        await self.shell.publish(Outgoing(PREFILL_QUEUE, work.encode(), priority=wire))
         await message.ack()
-        self.metrics.on_accepted(len(token_ids))
+        self.shell.metrics.on_published(PREFILL_QUEUE, req.priority, wire, "short_prompt")
+        self.shell.metrics.on_accepted(len(token_ids))
         log.debug("request accepted", request_id=req.request_id, prompt_tokens=len(token_ids))
+
+    async def _answer_poison(self, message: AbstractIncomingMessage, failures: int) -> None:
+        """About to be dead-lettered (it crashed this service ``failures`` times): answered
+        through the detokenizer, a registration and an error together, so that a request
+        registered before a crash is answered once, by the one service that answers it."""
+        rid = message.correlation_id
+        if not message.reply_to or not rid:
+            return  # unanswerable; dead-lettered with the log line above
+        text = f"the tokenizer failed on this request {failures} times; it was set aside"
+        error = TokenEvent(rid, 0, [], error_code=ErrorCode.INTERNAL.value, error_message=text)
+        body = DetokMsg(starts=[StartInfo(rid, message.reply_to, 0)], events=[error]).encode()
+        await self.shell.publish(Outgoing(detok_queue_for(rid, self.config.detok_shards), body))
+        self.shell.metrics.on_error(ErrorCode.INTERNAL.value)
 
     async def _reply_error(
         self, message: AbstractIncomingMessage, request_id: str, code: ErrorCode, text: str
@@ -137,13 +182,15 @@ class TokenizerService:
         log.info("request rejected", request_id=request_id, code=code.value, reason=text)
         assert message.reply_to is not None
         reply = ErrorReply(request_id=request_id, code=code.value, message=text)
-        await self.broker.publish(
-            Outgoing(
-                message.reply_to,
-                reply.encode(),
-                correlation_id=message.correlation_id or request_id or None,
-                persistent=False,
-            )
+        correlation_id = message.correlation_id or request_id or None
+        await self.shell.publish(
+            Outgoing(message.reply_to, reply.encode(), correlation_id=correlation_id)
         )
         await message.ack()
-        self.metrics.on_error(code.value)
+        self.shell.metrics.on_error(code.value)
+
+
+def build(config: BatonConfig) -> TokenizerService:
+    model_dir = resolve_model_dir(config)
+    limits = Limits.for_model_dir(config, model_dir)
+    return TokenizerService(config, PromptEncoder(model_dir, limits), limits)

@@ -9,7 +9,8 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.model_config import ModelConfig
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import Sampler
-from shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from shared.engine.sequence import Sequence, SequenceStatus
+from shared.wire.sampling import SamplingParams
 
 __all__ = [
     "BlockManager",

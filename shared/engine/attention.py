@@ -5,7 +5,8 @@ The runner builds one metadata object per forward (tensors, masks, gather indice
 - torch (any device, the CPU path): decode copies only K (per KV head, padded to the longest
   context) for one batched matmul and reads V in place (see :class:`TorchDecodeMetadata`);
   prefill runs one SDPA per sequence, causal (``is_causal``) when it has no cached prefix, else
-  with a causal-with-offset mask.
+  with a causal-with-offset mask. A quantised cache (``BATON_KV_CACHE_DTYPE=int8``,
+  kv_codec.py) decodes through :class:`TorchQuantDecodeMetadata` on any device.
 - triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
   pools in place.
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention_triton import TritonAttentionBackend, block_table_tensor
+from shared.engine.kv_codec import FloatKV, Int8KV, KVCodec
 
 log = structlog.get_logger(__name__)
 
@@ -61,12 +63,19 @@ def block_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return torch.cat((block_ids, block_ids + num_blocks))
 
 
+FLOAT_KV = FloatKV()
+
+
 def store_kv_torch(
-    k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    codec: KVCodec = FLOAT_KV,
 ) -> None:
-    flat = kv_layer.flatten(1, 2)  # [2, num_slots, Hkv, D], a view
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat = kv_layer.flatten(1, 2)  # [2, num_slots, Hkv, row width], a view
+    flat[0].index_copy_(0, slot_mapping, codec.encode(k))
+    flat[1].index_copy_(0, slot_mapping, codec.encode(v))
 
 
 @dataclass
@@ -120,6 +129,42 @@ class TorchDecodeMetadata:
 
 
 @dataclass
+class TorchQuantDecodeMetadata:
+    """Decode attention over a quantised cache: the batch's K rows and V rows are each read with
+    one index_select (as K is in :class:`TorchDecodeMetadata`), then two batched matmuls on the
+    int8 values. The per-row scales are folded in where they cost least: K's into the scores
+    (``q . (s k) = s (q . k)``), V's into the probabilities. The float path's in-place
+    ``embedding_bag`` over V needs float rows, so V is copied here too; the rows copied are a
+    quarter of fp32's bytes."""
+
+    slot_mapping: torch.Tensor  # int64 [B]
+    k_rows: torch.Tensor  # int64 [B, Hkv, L], as in TorchDecodeMetadata
+    mask: torch.Tensor  # fp32 [B * Hkv, 1, L]
+    scale: float
+    codec: Int8KV
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        batch, num_heads, head_dim = q.shape
+        _, num_kv_heads, context = self.k_rows.shape
+        rows, width = self.k_rows.view(-1), kv_layer.shape[-1]
+        shape = (batch * num_kv_heads, context, head_dim)
+        k_vals, k_scale = self.codec.split(kv_layer[0].view(-1, width).index_select(0, rows))
+        scores = torch.bmm(
+            q.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim),
+            k_vals.to(q.dtype).view(shape).transpose(1, 2),
+        )
+        k_scale = k_scale.view(shape[0], 1, context)
+        scores = torch.addcmul(self.mask, scores, k_scale, value=self.scale)
+        probs = scores.float().softmax(-1)
+        v_vals, v_scale = self.codec.split(kv_layer[1].view(-1, width).index_select(0, rows))
+        probs = (probs * v_scale.view(shape[0], 1, context)).to(q.dtype)
+        return torch.bmm(probs, v_vals.to(q.dtype).view(shape)).view(batch, num_heads, head_dim)
+
+
+@dataclass
 class _CachedPrefix:
     """A chunk that continues a computed prefix attends over the cache, not just itself."""
 
@@ -140,11 +185,12 @@ class TorchPrefillMetadata:
     slot_mapping: torch.Tensor  # int64 [T]
     seqs: list[_PrefillSeq]
     scale: float
+    codec: KVCodec  # how the cache stores rows: a cached prefix is read back through it
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         for s in self.seqs:
@@ -153,7 +199,8 @@ class TorchPrefillMetadata:
             if s.prefix is None:
                 ks, vs = k[rows], v[rows]
             else:
-                kv = gather_blocks(kv_layer, s.prefix.kv_rows).flatten(1, 2)
+                blocks = gather_blocks(kv_layer, s.prefix.kv_rows)
+                kv = self.codec.decode(blocks, q.dtype).flatten(1, 2)
                 ks, vs = kv[0, : s.prefix.context_len], kv[1, : s.prefix.context_len]
                 mask = s.prefix.mask
             # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
@@ -189,7 +236,9 @@ class TorchAttentionBackend:
         num_kv_heads: int,
         scale: float,
         device: torch.device,
+        codec: KVCodec = FLOAT_KV,
     ):
+        self.codec = codec
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -200,7 +249,7 @@ class TorchAttentionBackend:
 
     def decode_metadata(
         self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
-    ) -> TorchDecodeMetadata:
+    ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata:
         dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
         batch, context = len(context_lens), max(context_lens)
         max_blocks = (context + bs - 1) // bs
@@ -209,12 +258,12 @@ class TorchAttentionBackend:
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
         padding = torch.arange(context, device=dev) >= lens[:, None]
         mask = torch.zeros(batch, context, device=dev).masked_fill_(padding, float("-inf"))
-        return TorchDecodeMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            k_rows=slots[:, None, :] * num_kv_heads + self._kv_heads,
-            mask=mask[:, None, None, :].expand(batch, num_kv_heads, 1, context).flatten(0, 1),
-            scale=self.scale,
-        )
+        slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
+        k_rows = slots[:, None, :] * num_kv_heads + self._kv_heads
+        mask = mask[:, None, None, :].expand(batch, num_kv_heads, 1, context).flatten(0, 1)
+        if isinstance(self.codec, Int8KV):
+            return TorchQuantDecodeMetadata(slot_tensor, k_rows, mask, self.scale, self.codec)
+        return TorchDecodeMetadata(slot_tensor, k_rows, mask, self.scale)
 
     def prefill_metadata(
         self,
@@ -241,6 +290,7 @@ class TorchAttentionBackend:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             seqs=seqs,
             scale=self.scale,
+            codec=self.codec,
         )
 
 
@@ -248,10 +298,20 @@ AttentionBackend = TorchAttentionBackend | TritonAttentionBackend
 
 
 def select_backend(
-    device: torch.device, num_blocks: int, block_size: int, num_kv_heads: int, scale: float
+    device: torch.device,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    scale: float,
+    codec: KVCodec = FLOAT_KV,
 ) -> AttentionBackend:
-    """Triton kernels on CUDA when the ``kernels`` package provides them, else pure torch."""
-    if device.type == "cuda":
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else pure torch.
+
+    A quantised cache takes the torch path on every device: the Triton decode kernel's int8
+    specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
+    if device.type == "cuda" and codec.quantized:
+        log.warning("int8 KV cache: torch attention (the Triton kernels read float caches)")
+    elif device.type == "cuda":
         try:
             import kernels
 
@@ -263,4 +323,4 @@ def select_backend(
             log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    return TorchAttentionBackend(num_blocks, block_size, num_kv_heads, scale, device)
+    return TorchAttentionBackend(num_blocks, block_size, num_kv_heads, scale, device, codec)

@@ -8,10 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
-
-log = structlog.get_logger(__name__)
 
 # architectures name -> arch; model_type is the fallback for configs saved without a model.
 ARCHITECTURES = {
@@ -47,6 +44,10 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
+    # Keys a query attends to at most (Mistral, Qwen2 with use_sliding_window); None = all.
+    # The engine runs full attention, exact only while max_model_len <= sliding_window: the
+    # ModelRunner refuses a longer max_model_len instead of silently attending too far.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -67,8 +68,6 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         rope_theta, rope_type, rope_params = _rope(raw)
-        if raw.get("use_sliding_window") or (arch == "llama" and raw.get("sliding_window")):
-            log.warning("sliding window attention ignored: full attention used", arch=arch)
         eos: list[int] = []
         for source in (raw, generation or {}):
             value = source.get("eos_token_id")
@@ -98,6 +97,7 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             eos_token_ids=tuple(eos),
             bos_token_id=raw.get("bos_token_id"),
+            sliding_window=_sliding_window(raw),
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -124,6 +124,21 @@ def _arch(raw: dict[str, Any]) -> str:
         f"unsupported model: architectures={raw.get('architectures')} model_type={model_type!r}; "
         f"supported: {sorted(ARCHITECTURES)}"
     )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window if any layer uses one, as transformers decides it."""
+    window = raw.get("sliding_window")
+    if not window:
+        return None
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list):  # transformers >= 4.54 spells it out per layer
+        return int(window) if "sliding_attention" in layer_types else None
+    if "use_sliding_window" in raw:  # qwen2/qwen3: only layers from max_window_layers on
+        num_layers = int(raw["num_hidden_layers"])
+        first = int(raw.get("max_window_layers", num_layers))
+        return int(window) if raw["use_sliding_window"] and first < num_layers else None
+    return int(window)  # mistral: every layer
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, str, tuple[tuple[str, float], ...]]:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 import torch
 
 from shared.config import BatonConfig
+from shared.core.limits import Limits
 from shared.engine.attention import AttentionMetadata, select_backend
+from shared.engine.kv_codec import make_kv_codec
 from shared.engine.loader import load_model, parse_dtype
 from shared.engine.model_config import ModelConfig
 from shared.engine.sampler import Sampler
@@ -24,25 +27,30 @@ from shared.engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
+KVCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
+
 
 class ModelRunner:
-    def __init__(self, config: BatonConfig, model_dir: Path | None = None):
+    def __init__(
+        self,
+        config: BatonConfig,
+        model_dir: Path | None = None,
+        allocate_kv_cache: KVCacheAllocator | None = None,
+    ):
+        """``allocate_kv_cache``: where the cache lives when a KV connector must own its memory
+        (a pooled transport exports it to the receiver); it returns None to leave it to us."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
-        self.model_config: ModelConfig
-        self.model_config, self.model = load_model(
-            model_dir or config.model_dir, self.device, self.dtype
-        )
-        cfg = self.model_config
+        model_dir = Path(model_dir or config.model_dir)
+        # Everything that can refuse this model is checked before its weights are read.
+        cfg = ModelConfig.from_dir(model_dir)
+        self.kv_codec = make_kv_codec(config.kv_cache_dtype)
+        kv_dtype = self.kv_codec.cache_dtype(self.dtype)
+        row_width = self.kv_codec.row_width(cfg.head_dim)
         self.block_bytes = (
-            cfg.num_layers
-            * 2
-            * self.block_size
-            * cfg.num_kv_heads
-            * cfg.head_dim
-            * self.dtype.itemsize
+            cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * row_width * kv_dtype.itemsize
         )
         if config.num_kv_blocks > 0:
             self.num_kv_blocks = config.num_kv_blocks
@@ -52,29 +60,42 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_mb={config.kv_cache_mb} holds no block of {self.block_bytes} bytes"
             )
+        check_sliding_window(cfg, config, self.num_kv_blocks * self.block_size)
+        self.model_config: ModelConfig
+        self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
         kv_shape = (
             cfg.num_layers,
             2,
             self.num_kv_blocks,
             self.block_size,
             cfg.num_kv_heads,
-            cfg.head_dim,
+            row_width,
         )
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
             self.model.transpose_linear_weights()
-            self.kv_cache = _zeros_on_huge_pages(kv_shape, self.dtype)
+        shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
+        if shared is not None:
+            self.kv_cache = shared  # zeroed by its owner
+        elif self.device.type == "cpu":
+            self.kv_cache = _zeros_on_huge_pages(kv_shape, kv_dtype)
         else:
-            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
         self.attn_backend = select_backend(
-            self.device, self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5
+            self.device,
+            self.num_kv_blocks,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim**-0.5,
+            self.kv_codec,
         )
         self.sampler = Sampler()
         log.info(
             "model runner ready",
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
-            kv_cache_mb=round(self.kv_cache.numel() * self.dtype.itemsize / 2**20, 1),
+            kv_cache_mb=round(self.kv_cache.numel() * kv_dtype.itemsize / 2**20, 1),
+            kv_cache_dtype=self.kv_codec.name,
             attention=self.attn_backend.name,
         )
 
@@ -164,18 +185,26 @@ class ModelRunner:
             logits, [s.sampling for s in sample_seqs], [s.num_tokens for s in sample_seqs]
         )
 
-    # --- KV transport -------------------------------------------------------------------------
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of the given blocks' KV, ``[L, 2, n, block_size, Hkv, D]``."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv_cache.index_select(2, index)
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit {expected}")
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache.index_copy_(2, index, kv.to(device=self.device, dtype=self.dtype))
+def check_sliding_window(cfg: ModelConfig, config: BatonConfig, num_cache_tokens: int) -> None:
+    """Refuse a sliding-window model whose sequences could outgrow the window.
+
+    The engine computes full attention; that equals sliding-window attention exactly while every
+    key a query sees lies inside its window, which holds for every sequence when
+    ``max_model_len <= sliding_window`` (max_model_len as the engines apply it: ``Limits``).
+    """
+    window = cfg.sliding_window
+    if window is None:
+        return
+    max_model_len = Limits.build(
+        config, cfg.max_position_embeddings, num_cache_tokens
+    ).max_model_len
+    if max_model_len > window:
+        raise ValueError(
+            f"the model uses sliding-window attention (sliding_window={window}) and Baton "
+            f"computes full attention, which is exact only for sequences up to the window; "
+            f"max_model_len here is {max_model_len}: set BATON_MAX_MODEL_LEN<={window}"
+        )
 
 
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

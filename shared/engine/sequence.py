@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    max_tokens: int = 16
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+from shared.wire.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    SWAPPED = enum.auto()  # preempted with its KV copied out: the request left this engine
     FINISHED = enum.auto()
 
 
@@ -57,6 +45,8 @@ class Sequence:
         # Only used by ``num_blocks``; the BlockManager stamps its own size on allocation.
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
+        # When this engine first scheduled it (its wait ended there); None while it never was.
+        self.started_at: float | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.scheduling.waiting_queue import WaitingQueue
+from shared.scheduling.waiting_queue import Ranking, WaitingQueue
 
 
 class SchedulerBase:
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, ranking: Ranking | None = None) -> None:
+        """``ranking``: the waiting queue's order (default: the request's priority); an engine
+        passes its :class:`~shared.scheduling.priority.Prioritizer` (aging, boosts)."""
         self.block_manager = block_manager
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(ranking)
         self.running: dict[str, Sequence] = {}
 
     @property

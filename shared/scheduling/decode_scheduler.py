@@ -1,22 +1,33 @@
-"""Decode scheduling: continuous batching over the paged cache, with preemption by recompute.
+"""Decode scheduling: continuous batching over the paged cache, with preemption by swap or by
+recompute.
 
 Every step, all running sequences that are ready (KV computed up to their last token) decode one
 token. Sequences that joined without KV (the transport was full, an entry was lost to a crash, or
 they were preempted) first recompute their KV inside this engine, chunked by the token budget.
 
-Preemption frees the victim's blocks and re-queues it in front of its priority class; the victim
-is chosen lowest priority first, then latest arrival (it has the least sunk work). A waiting
-sequence of higher priority than some running one may preempt it when blocks are short.
+Preemption swaps the victim out when the engine can (``swap_out``: its computed KV is copied to the
+spill store and the request leaves this engine, to resume on whichever decode worker has room,
+with no recompute); otherwise it frees the victim's blocks and re-queues it ahead of its equals,
+to recompute its KV here. Victims are chosen by
+:func:`~shared.scheduling.priority.choose_victims`: lowest effective priority first, then the most
+recently started (it has the least sunk work). A waiting sequence of higher effective priority
+than some running one may preempt it when blocks are short. Effective priorities are compared
+through the waiting queue's ranking (aging included: a sequence that has aged past a newcomer's
+priority is not preempted for it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.core.limits import check_stop
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.scheduling.base import SchedulerBase
 from shared.scheduling.prefill_scheduler import PrefillBatch
+from shared.scheduling.priority import Candidate, choose_victims, victim_order
+from shared.scheduling.waiting_queue import Ranking
 
 
 @dataclass
@@ -34,32 +45,33 @@ class Finished:
     reason: str  # "stop" | "length"
 
 
+# Copies a sequence's computed KV out of its blocks (before they are freed) and takes the
+# request off this engine's hands; False: it could not (the store is full): recompute instead.
+SwapOut = Callable[[Sequence], bool]
+
+
 class DecodeScheduler(SchedulerBase):
     def __init__(
         self,
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        eos_token_ids: tuple[int, ...],
-        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        ranking: Ranking | None = None,
+        swap_out: SwapOut | None = None,
     ) -> None:
-        super().__init__(block_manager)
+        super().__init__(block_manager, ranking)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids = frozenset(eos_token_ids)
-        # A sequence alone must always fit: it finishes ("length") before outgrowing the cache.
-        self.max_seq_tokens = min(
-            max_model_len, block_manager.num_blocks * block_manager.block_size
-        )
-        self.num_preemptions = 0
+        self.eos_token_ids = eos_token_ids
+        self.swap_out = swap_out
+        self.num_preemptions = 0  # by recompute
+        self.num_swaps = 0  # preemptions by swap
 
-    def add(self, seq: Sequence) -> bool:
-        """Queue a sequence; False (not queued) if it could never fit in the cache."""
-        if seq.num_tokens >= self.max_seq_tokens:
-            return False
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (the engine checked that it fits the cache: ``Limits``)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
-        return True
 
     # --- admission ------------------------------------------------------------------------------
     def admit(self) -> list[Sequence]:
@@ -82,20 +94,35 @@ class DecodeScheduler(SchedulerBase):
         return admitted
 
     def _preempt_for(self, seq: Sequence) -> bool:
-        """Preempt strictly lower-priority running sequences until ``seq`` fits — but only if
-        preempting all of them would make room (never throw away KV for nothing)."""
+        """Preempt running sequences of strictly lower effective priority until ``seq`` fits —
+        but only if preempting all of the chosen ones makes room (never throw away KV for
+        nothing)."""
         bm = self.block_manager
-        lower = [s for s in self.running.values() if s.priority < seq.priority]
-        # Blocks only a victim references come back on preemption; shared ones may not.
-        freeable = sum(1 for s in lower for b in s.block_table if bm.ref_count(b) == 1)
-        if bm.num_free_blocks + freeable < bm.blocks_for(seq.num_tokens):
+        rank = self.waiting.ranking.rank
+        below = rank(seq)
+        victims = choose_victims(
+            self._candidates(below), bm.blocks_for(seq.num_tokens), bm.num_free_blocks, below
+        )
+        if victims is None:
             return False
-        while not bm.can_allocate(seq):
-            victim = self._victim()
-            if victim is None or victim.priority >= seq.priority:
-                return False
-            self._preempt(victim)
-        return True
+        for rid in victims:
+            if bm.can_allocate(seq):
+                break
+            self._preempt(self.running[rid])
+        return bm.can_allocate(seq)
+
+    def _candidates(self, below: float | None = None) -> list[Candidate]:
+        """The running batch as preemption sees it (only ranks below ``below``, if given);
+        ``running`` is in start order (admission appends, preemption removes)."""
+        bm, rank = self.block_manager, self.waiting.ranking.rank
+        out = []
+        for started, s in enumerate(self.running.values()):
+            r = rank(s)
+            if below is None or r < below:
+                # Blocks only the victim references come back; shared ones may not.
+                freeable = sum(1 for b in s.block_table if bm.ref_count(b) == 1)
+                out.append(Candidate(s.request_id, r, started, freeable))
+        return out
 
     # --- one step -------------------------------------------------------------------------------
     def schedule(self) -> DecodeStep:
@@ -138,30 +165,27 @@ class DecodeScheduler(SchedulerBase):
             seq.num_computed_tokens = seq.num_tokens
             seq.append_token(token)
             self.block_manager.cache_computed_blocks(seq)
-            reason = self._finish_reason(seq, token)
+            reason = check_stop(token, seq.num_output_tokens, seq.sampling, self.eos_token_ids)
             if reason is not None:
                 self.free(seq)
                 finished.append(Finished(seq, reason))
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.eos_token_ids and not seq.sampling.ignore_eos:
-            return "stop"
-        if (
-            seq.num_output_tokens >= seq.sampling.max_tokens
-            or seq.num_tokens >= self.max_seq_tokens
-        ):
-            return "length"
-        return None
-
     def _victim(self) -> Sequence | None:
-        if not self.running:
-            return None
-        return min(self.running.values(), key=lambda s: (s.priority, -s.arrival_time))
+        """The first victim when the running batch itself outgrew the cache (it may be the very
+        sequence that needs the block)."""
+        order = victim_order(self._candidates())
+        return self.running[order[0].request_id] if order else None
 
     def _preempt(self, seq: Sequence) -> None:
         del self.running[seq.request_id]
+        # The copy comes first: the blocks hold the KV until they are freed.
+        swapped = seq.num_computed_tokens > 0 and self.swap_out is not None and self.swap_out(seq)
         self.block_manager.free(seq)
+        if swapped:
+            seq.status = SequenceStatus.SWAPPED
+            self.num_swaps += 1
+            return
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.PREEMPTED

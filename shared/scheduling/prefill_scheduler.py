@@ -1,8 +1,9 @@
 """Prefill scheduling: batch waiting prompts up to a token budget, chunk the long ones.
 
 Sequences whose prompt is partly computed (chunked prefill) continue first: they already hold
-blocks, and finishing them frees those blocks soonest. New prompts are admitted by priority while
-the token budget, the sequence cap and the block manager allow.
+blocks, and finishing them frees those blocks soonest. New prompts are admitted in the waiting
+queue's order (effective priority: priority, aging, the short-prompt boost) while the token
+budget, the sequence cap and the block manager allow.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.scheduling.base import SchedulerBase
+from shared.scheduling.waiting_queue import Ranking
 
 
 @dataclass
@@ -28,18 +30,20 @@ class PrefillBatch:
 
 
 class PrefillScheduler(SchedulerBase):
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
-        super().__init__(block_manager)  # running: partially prefilled (chunked) sequences
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        ranking: Ranking | None = None,
+    ):
+        super().__init__(block_manager, ranking)  # running: partially prefilled (chunked) ones
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
-
-    def fits_ever(self, seq: Sequence) -> bool:
-        """Could this prompt be allocated if the cache were empty?"""
-        return seq.num_blocks <= self.block_manager.num_blocks
 
     def schedule(self) -> PrefillBatch:
         batch = PrefillBatch()

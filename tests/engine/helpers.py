@@ -1,10 +1,11 @@
-"""Shared by the engine tests and tests/test_parity.py: tiny models, a miniature scheduler that
-drives the engine the way the services do, and the Hugging Face reference."""
+"""Shared by the engine, core and parity tests: tiny models, the production engines wired into
+a prefill/decode pair (plumbing only), and the Hugging Face reference."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,20 @@ from typing import Any
 import torch
 
 from shared.config import REPO_ROOT, BatonConfig
-from shared.engine import BlockManager, ModelRunner, SamplingParams, Sequence, SequenceStatus
-from shared.tiny_model import ensure_tiny_model
+from shared.core.build import build_decode_engine, build_prefill_engine
+from shared.core.decode import DecodeEngine
+from shared.core.engine import EngineCore
+from shared.core.outputs import (
+    AddResult,
+    Handoff,
+    KVTransferStat,
+    NewRequest,
+    RequestError,
+    StepOutput,
+)
+from shared.core.prefill import PrefillEngine
+from shared.engine import ModelRunner, SamplingParams, Sequence
+from shared.models.tiny.builder import ensure_tiny_model
 
 MODELS_DIR = REPO_ROOT / "models"
 
@@ -42,102 +55,238 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-class MiniEngine:
-    """The services' loop in miniature, over one ModelRunner and one BlockManager.
+class ForwardLog:
+    """A spy on one ModelRunner: what its engine asked it to compute, call by call."""
 
-    Each ``prefill_step`` fills a token budget: unfinished chunked prompts first, then waiting
-    sequences in order (short prompts batch together, a long one is chunked). ``decode_step``
-    advances every running sequence by one token. ``run`` alternates them, so sequences join a
-    running decode batch mid-way (continuous batching).
+    def __init__(self, runner: ModelRunner) -> None:
+        # Per prefill call: (request_id, first position, tokens computed, prefix-hit tokens).
+        self.prefills: list[list[tuple[str, int, int, int]]] = []
+        self.decodes: list[list[str]] = []  # per decode call: the request ids
+        prefill, decode = runner.prefill, runner.decode
+
+        def spy_prefill(seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+            self.prefills.append(
+                [
+                    (s.request_id, s.num_computed_tokens, n, s.num_cached_tokens)
+                    for s, n in zip(seqs, num_new_tokens, strict=True)
+                ]
+            )
+            return prefill(seqs, num_new_tokens)
+
+        def spy_decode(seqs: list[Sequence]) -> list[int]:
+            self.decodes.append([s.request_id for s in seqs])
+            return decode(seqs)
+
+        runner.prefill = spy_prefill  # type: ignore[method-assign]
+        runner.decode = spy_decode  # type: ignore[method-assign]
+
+    def chunks(self, request_id: str) -> list[int]:
+        return [n for call in self.prefills for rid, _, n, _ in call if rid == request_id]
+
+    def cached(self, request_id: str) -> int:
+        """Prefix-hit tokens found when the request (last) started computing from scratch."""
+        starts = [c for call in self.prefills for rid, *_, c in call if rid == request_id]
+        return starts[-1] if starts else 0
+
+
+def engine_config(model_dir: Path, num_kv_blocks: int, **overrides: Any) -> BatonConfig:
+    return BatonConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, **overrides)
+
+
+KV_TRANSPORTS = ("shm", "pool")  # what EnginePair can wire on a CPU (cuda-ipc needs a GPU)
+
+
+class EnginePair:
+    """The production PrefillEngine and DecodeEngine, built as the services build them
+    (``build_prefill_engine`` / ``build_decode_engine``: each its own ModelRunner, KV cache and
+    connector of the configured ``transport``, on one spill folder), wired as the services wire
+    them through the broker: prefill's handoffs become decode ``add``s, decode's KV releases go
+    to prefill's ``release``, tokens are gathered per request. Plumbing only: every scheduling,
+    caching and stopping decision is the engines'.
+
+    ``shm``: prefill copies each handoff into the spill store, decode reads and deletes it.
+    ``pool``: prefill's KV cache is a shared file in the spill folder; decode copies blocks out
+    of it and its release notices unpin them. ``close()`` gives back the pool (files, mappings).
     """
 
-    def __init__(self, runner: ModelRunner, token_budget: int = 128, prefix_caching: bool = True):
-        self.runner = runner
-        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, prefix_caching)
-        self.token_budget = token_budget
-        self.eos_token_ids = set(runner.model_config.eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.finished: dict[str, Sequence] = {}
-        self.prefill_batches: list[list[tuple[str, int]]] = []  # (request_id, chunk) per step
+    def __init__(
+        self, prefill: PrefillEngine, decode: DecodeEngine, spill_dir: Path, transport: str = "shm"
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.spill_dir = spill_dir
+        self.transport = transport
+        self.prefill_log = ForwardLog(prefill.runner)
+        self.decode_log = ForwardLog(decode.runner)
+        self.requests: dict[str, NewRequest] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}  # request id -> "stop" | "length"
+        self.errors: dict[str, RequestError] = {}
+        self.handoffs: dict[str, Handoff] = {}
+        self.loads: list[KVTransferStat] = []  # decode: KV that arrived through a transport
+        self.aborted: set[str] = set()  # cancelled here, or answered by a shell
+        self.expired: set[str] = set()  # retired silently by an engine (deadline)
+        self.decode_running: list[int] = []  # decode's running batch size after each step
+        self.swapped: list[str] = []  # requests decode swapped out (and took back), in order
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    @classmethod
+    def build(
+        cls,
+        model_dir: Path,
+        spill_dir: Path,
+        *,
+        transport: str = "shm",
+        prefill_blocks: int = 128,
+        decode_blocks: int = 128,
+        spill_max_bytes: int = 1 << 30,
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+    ) -> EnginePair:
+        """``transport``: ``BATON_KV_TRANSPORT`` of both engines. ``prefill`` / ``decode``:
+        BatonConfig overrides for that engine."""
+        kv: dict[str, Any] = {
+            "kv_transport": transport,
+            "spill_dir": str(spill_dir),
+            "spill_max_bytes": spill_max_bytes,
+        }
+        p = build_prefill_engine(
+            engine_config(model_dir, prefill_blocks, **{**kv, **(prefill or {})}), model_dir
+        )
+        try:
+            d = build_decode_engine(
+                engine_config(model_dir, decode_blocks, **{**kv, **(decode or {})}), model_dir
+            )
+        except BaseException:
+            p.connector.close()
+            raise
+        return cls(p, d, Path(spill_dir), transport)
 
-    def prefill_step(self) -> None:
-        budget = self.token_budget
-        batch: list[Sequence] = []
-        counts: list[int] = []
-        for seq in list(self.prefilling):
-            if budget == 0:
-                break
-            n = min(budget, seq.num_tokens - seq.num_computed_tokens)
-            batch.append(seq)
-            counts.append(n)
-            budget -= n
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.prefilling.append(seq)
-            n = min(budget, seq.num_tokens - seq.num_computed_tokens)
-            batch.append(seq)
-            counts.append(n)
-            budget -= n
-        if not batch:
-            return
-        self.prefill_batches.append([(s.request_id, n) for s, n in zip(batch, counts, strict=True)])
-        tokens = self.runner.prefill(batch, counts)
-        for seq, n, token in zip(batch, counts, tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
-            if token is not None:
-                self.prefilling.remove(seq)
-                self._append(seq, token)
+    def close(self) -> None:
+        """Give back what the connectors hold (the pool file and mappings); idempotent."""
+        self.decode.connector.close()
+        self.prefill.connector.close()
 
-    def decode_step(self) -> None:
-        if not self.running:
-            return
-        batch = list(self.running)
-        for seq in batch:
-            self.block_manager.append_slot(seq)
-        tokens = self.runner.decode(batch)
-        for seq, token in zip(batch, tokens, strict=True):
-            seq.num_computed_tokens = seq.num_tokens
-            self.block_manager.cache_computed_blocks(seq)
-            self.running.remove(seq)
-            self._append(seq, token)
+    def __enter__(self) -> EnginePair:
+        return self
 
-    def preempt(self, seq: Sequence) -> None:
-        """Drop a running sequence's KV; it is recomputed (prompt + output so far) on re-admit."""
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    def run(self, max_steps: int = 10_000) -> dict[str, Sequence]:
-        for _ in range(max_steps):
-            if not (self.waiting or self.prefilling or self.running):
-                return self.finished
-            if self.waiting or self.prefilling:
-                self.prefill_step()
-            self.decode_step()
-        raise RuntimeError("MiniEngine did not finish")
+    def add(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, **kw: Any
+    ) -> AddResult:
+        """Submit to prefill; arrival order is the order of ``add`` calls unless given."""
+        kw.setdefault("arrival_time", float(len(self.requests)))
+        req = NewRequest(request_id, list(prompt), sampling, **kw)
+        result = self.prefill.add(req)
+        if result is AddResult.ADDED:
+            self.requests[request_id] = req
+            self.tokens[request_id] = []
+        return result
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        seq.append_token(token)
-        stop = token in self.eos_token_ids and not seq.sampling.ignore_eos
-        if stop or seq.num_output_tokens >= seq.sampling.max_tokens:
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.free(seq)
-            self.finished[seq.request_id] = seq
-        else:
-            self.running.append(seq)
+    def step(self, now: float | None = None) -> tuple[StepOutput | None, StepOutput | None]:
+        """One step of each engine that has work (prefill first, as the services race)."""
+        p_out = d_out = None
+        if self.prefill.has_work():
+            p_out = self.prefill.step(now)
+            self.collect(p_out)
+            for h in p_out.handoffs:
+                self.handoffs[h.request_id] = h
+                req = dataclasses.replace(
+                    self.requests[h.request_id], output_token_ids=list(h.output_token_ids), kv=h.kv
+                )
+                assert self.decode.add(req, now) is AddResult.ADDED, h.request_id
+        if self.decode.has_work():
+            d_out = self.decode.step(now)
+            self.collect(d_out)
+            self.loads.extend(d_out.transfers)
+            self.deliver_releases(d_out)
+            self.decode_running.append(self.decode.num_running)
+            for h in d_out.handoffs:  # swapped out: back through baton.decode, to this worker
+                self.swapped.append(h.request_id)
+                req = dataclasses.replace(
+                    self.requests[h.request_id], output_token_ids=list(h.output_token_ids), kv=h.kv
+                )
+                assert self.decode.add(req, now) is AddResult.ADDED, h.request_id
+        return p_out, d_out
+
+    def deliver_releases(self, out: StepOutput) -> None:
+        """Decode's KV release notices to prefill, as the shells route them (pooled transports:
+        addressed to the sending worker; the spill store sends none)."""
+        for notice in out.releases:
+            assert notice.sender_id == self.prefill.connector.release_route, notice
+            self.prefill.release(notice)
+
+    def run(
+        self, max_steps: int = 10_000, between: Callable[[int], None] | None = None
+    ) -> dict[str, list[int]]:
+        """Step until both engines are idle; ``between(i)`` runs before step ``i`` (to add
+        requests while others run). Every request must end: a finish reason, an error, an
+        expiry, or an abort."""
+        with torch_threads(1):
+            for i in range(max_steps):
+                if between is not None:
+                    between(i)
+                if not (self.prefill.has_work() or self.decode.has_work()):
+                    break
+                self.step()
+            else:
+                raise RuntimeError("the engines did not finish")
+            if self.transport != "shm":
+                # Notices made outside a step (a discard on abort or expiry) leave with decode's
+                # next step; a service steps even when idle, so deliver them as it would.
+                self.deliver_releases(self.decode.step())
+        ended = self.finish.keys() | self.errors.keys() | self.expired
+        assert ended >= self.tokens.keys() - self.aborted, sorted(self.tokens.keys() - ended)
+        return self.tokens
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel as the shells do: every engine drops it."""
+        self.aborted.add(request_id)
+        in_prefill = self.prefill.abort(request_id)
+        in_decode = self.decode.abort(request_id)
+        return in_prefill or in_decode
+
+    def collect(self, out: StepOutput) -> None:
+        """Gather a step's tokens and errors (tests that step one engine themselves call it)."""
+        for t in out.tokens:
+            assert t.request_id not in self.finish, f"{t.request_id} got tokens after finishing"
+            assert t.request_id not in self.expired, f"{t.request_id} got tokens after expiring"
+            got = self.tokens[t.request_id]
+            assert t.index == len(got), (t.request_id, t.index, len(got))  # in order, no gaps
+            got.extend(t.token_ids)
+            if t.finish_reason is not None:
+                self.finish[t.request_id] = t.finish_reason
+        for e in out.errors:
+            assert e.request_id not in self.errors and e.request_id not in self.finish
+            self.errors[e.request_id] = e
+        handed_off = {h.request_id for h in out.handoffs}
+        for rid in out.retired:
+            if rid not in self.finish and rid not in self.errors and rid not in handed_off:
+                self.expired.add(rid)
+
+    def assert_clean(self) -> None:
+        """Nothing leaked: all blocks back, no request, no pinned handoff, no spilled entry (a
+        pooled transport's own pool file is the only thing in the spill folder)."""
+        assert_idle(self.prefill)
+        assert_idle(self.decode)
+        assert not self.prefill._handed_off and not self.decode._kv
+        assert self.prefill.connector.stats().pinned_blocks == 0
+        assert self.spilled() == []
+
+    def spilled(self) -> list[str]:
+        """Spill-store entries in the spill folder (for ``pool``: anything but its pool file)."""
+        names = os.listdir(self.spill_dir)
+        if self.transport == "shm":
+            return names
+        return [n for n in names if not n.startswith(f"{self.transport}-")]
+
+
+def assert_idle(engine: EngineCore) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, (engine.kind, bm.num_used_blocks)
+    assert not engine.requests and not engine.has_work(), engine.kind
+    assert engine.num_running == engine.num_waiting == 0
 
 
 def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:

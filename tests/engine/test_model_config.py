@@ -49,6 +49,25 @@ def test_arch_flags() -> None:
         ModelConfig.from_dict({**BASE, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
+def test_sliding_window_as_transformers_applies_it() -> None:
+    def window(**raw: Any) -> int | None:
+        return ModelConfig.from_dict({**BASE, **raw}).sliding_window
+
+    assert window() is None  # llama
+    mistral = {"architectures": ["MistralForCausalLM"]}
+    assert window(**mistral, sliding_window=4096) == 4096  # every layer
+    assert window(**mistral, sliding_window=None) is None  # Mistral v0.2+
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
+    assert window(**qwen2, use_sliding_window=False, max_window_layers=0) is None
+    assert window(**qwen2, use_sliding_window=True, max_window_layers=2) is None  # 2 layers
+    assert window(**qwen2, use_sliding_window=True, max_window_layers=1) == 64
+    assert window(**qwen2, layer_types=["full_attention", "sliding_attention"]) == 64
+    assert window(**qwen2, layer_types=["full_attention"] * 2, use_sliding_window=True) is None
+    assert ModelConfig.from_dir(tiny_model_dir("mistral")).sliding_window == 4096
+    for arch in ("llama", "qwen2", "qwen3"):
+        assert ModelConfig.from_dir(tiny_model_dir(arch)).sliding_window is None
+
+
 def test_rope_layouts() -> None:
     old = ModelConfig.from_dict(
         {**BASE, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}

@@ -8,6 +8,7 @@ the host-side bounds) is checked on every machine; on a GPU host it checks the r
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ if not kernels.triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from shared.engine.attention import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
-from shared.engine.sequence import SamplingParams, Sequence  # noqa: E402
-from tests.engine.helpers import MiniEngine, make_runner, tiny_model_dir  # noqa: E402
+from shared.wire.sampling import SamplingParams  # noqa: E402
+from tests.engine.helpers import EnginePair, tiny_model_dir  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BS, HKV, HQ, D = 16, 2, 4, 16
@@ -84,18 +85,28 @@ def test_prefill_attention_with_and_without_prefix_agrees() -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_engine_on_triton_backend_matches_torch_backend() -> None:
+def test_engines_on_triton_backend_match_torch_backend(tmp_path: Path) -> None:
+    """The production prefill and decode engines, once per backend: same tokens."""
     path = tiny_model_dir("llama")
+    device = {"device": str(DEVICE)}
     outputs = []
     for use_triton in (False, True):
-        runner = make_runner(path, num_kv_blocks=16, device=str(DEVICE))
+        pair = EnginePair.build(
+            path,
+            tmp_path / f"spill-{use_triton}",
+            prefill_blocks=16,
+            decode_blocks=16,
+            prefill={**device, "max_num_batched_tokens": 24},  # 40-token prompt: chunked in 2
+            decode=device,
+        )
         if use_triton:
-            runner.attn_backend = TritonAttentionBackend(
-                kernels, runner.block_size, runner.model_config.head_dim**-0.5, DEVICE
-            )
-        engine = MiniEngine(runner, token_budget=24)  # 40-token prompt: chunked in 2
-        engine.add(Sequence("a", list(range(3, 43)), SamplingParams(max_tokens=4)))
-        engine.add(Sequence("b", list(range(50, 55)), SamplingParams(max_tokens=4)))
-        finished = engine.run()
-        outputs.append({rid: s.output_token_ids for rid, s in finished.items()})
+            for runner in (pair.prefill.runner, pair.decode.runner):
+                runner.attn_backend = TritonAttentionBackend(
+                    kernels, runner.block_size, runner.model_config.head_dim**-0.5, DEVICE
+                )
+        pair.add("a", list(range(3, 43)), SamplingParams(max_tokens=4, ignore_eos=True))
+        pair.add("b", list(range(50, 55)), SamplingParams(max_tokens=4, ignore_eos=True))
+        outputs.append(pair.run())
+        assert pair.prefill_log.chunks("a") == [24, 16]
+        pair.assert_clean()
     assert outputs[0] == outputs[1]

@@ -1,25 +1,83 @@
-"""The services as separate processes in a fresh vhost, so a fault test can kill one."""
+"""The services as separate processes in a fresh vhost, so a fault test can kill one; plus what
+the KV-transport fault tests read: each service's /metrics, and every reply a request got."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from services.launcher import ServiceProcesses, fresh_vhost
+from loadtest.reply_log import ReplyLog
+from services.launcher import ServiceProcesses, free_port_block, fresh_vhost
+from services.shell.registry import METRICS_ENDPOINTS, PIPELINE
+from shared.observability.http_server import read_metrics
+from shared.wire.messages import (
+    RequestMsg,
+    SamplingParams,
+)
 
-ALL_SERVICES = ("tokenizer", "prefill", "decode", "detokenizer")
+ALL_SERVICES = PIPELINE  # the broker pipeline; the HTTP gateway plays no part in these tests
 FAULT_ENV = {"BATON_KV_CACHE_MB": "32", "BATON_METRICS_PORT": "0"}
+# The standard faulted batch: 32 streams of 300 tokens, half greedy, half seeded sampling.
+NUM_REQUESTS = 32
+MAX_TOKENS = 300
 
 
 @contextmanager
 def service_processes(
-    env: dict[str, str] | None = None, start: tuple[str, ...] = ALL_SERVICES
+    env: dict[str, str] | None = None,
+    start: tuple[str, ...] = ALL_SERVICES,
+    *,
+    metrics: bool = False,
 ) -> Iterator[ServiceProcesses]:
+    """``metrics``: every service serves /metrics on its own free port
+    (``procs.metrics_port(name)``; a restarted service gets the same one)."""
+    env = {**FAULT_ENV, **(env or {})}
+    if metrics:
+        env["BATON_METRICS_PORT"] = str(free_port_block(len(METRICS_ENDPOINTS)))
     with fresh_vhost(prefix="baton-fault") as url:
-        procs = ServiceProcesses(url, env={**FAULT_ENV, **(env or {})})
+        procs = ServiceProcesses(url, env=env)
         for name in start:
             procs.start(name)
         try:
             yield procs
         finally:
             procs.stop()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's /metrics as ``{"name{label=value,...}": value}`` ({} while it is down)."""
+    try:
+        return read_metrics(port)
+    except OSError:
+        return {}
+
+
+async def poll_metric(
+    port: int, name: str, until: Callable[[float], bool], timeout_s: float, every_s: float = 0.1
+) -> tuple[float, float]:
+    """Scrape until ``until(value)``; returns (value, seconds waited). TimeoutError if never."""
+    t0 = time.monotonic()
+    while True:
+        value = scrape(port).get(name)
+        if value is not None and until(value):
+            return value, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{name} on :{port} is {value} after {timeout_s}s")
+        await asyncio.sleep(every_s)
+
+
+def batch(tag: str) -> list[RequestMsg]:
+    msgs = []
+    for i in range(NUM_REQUESTS):
+        seeded = dict(temperature=0.8, seed=1000 + i) if i % 2 else {}
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **seeded)  # type: ignore[arg-type]
+        msgs.append(RequestMsg(f"{tag}-{i}", sampling, prompt=f"story {i}: once upon a time"))
+    return msgs
+
+
+def check(log: ReplyLog, ids: list[str], reference: list[list[int]]) -> None:
+    for rid, ref in zip(ids, reference, strict=True):
+        done = log.check_stream(rid)
+        assert done.finish_reason == "length" and done.token_ids == ref, rid

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from shared.client import BatonClient
-from shared.protocol import DoneReply, ErrorReply
+from shared.wire.messages import DoneReply, ErrorReply
 from tests.fault.harness import service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from services.__main__ import build
+from services.shell.registry import build
 from shared.client import BatonClient
-from shared.protocol import DoneReply, ErrorReply
+from shared.wire.messages import DoneReply, ErrorReply
 from tests.fault.harness import service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 async def test_decode_service_survives_a_failed_step() -> None:
     with service_processes(start=("tokenizer", "prefill", "detokenizer")) as procs:
         decode: Any = build("decode", procs.config())
-        real_decode = decode.runner.decode
+        real_decode = decode.engine.runner.decode
         failures = 0
 
         def fail_once(seqs: Any) -> Any:
@@ -30,7 +30,7 @@ async def test_decode_service_survives_a_failed_step() -> None:
                 raise RuntimeError("injected fault")
             return real_decode(seqs)
 
-        decode.runner.decode = fail_once
+        decode.engine.runner.decode = fail_once
         await decode.start()
         try:
             await procs.wait_ready()  # its probe request is the one that meets the fault
@@ -38,7 +38,9 @@ async def test_decode_service_survives_a_failed_step() -> None:
             async with await BatonClient.connect(procs.amqp_url) as client:
                 ok = await client.generate("after the fault", max_tokens=8, ignore_eos=True)
                 assert isinstance(ok, DoneReply) and len(ok.token_ids) == 8
-            assert not decode.work and decode.block_manager.num_used_blocks == 0
+            engine = decode.engine
+            assert not decode.inflight and not engine.requests and not engine.has_work()
+            assert engine.block_manager.num_used_blocks == 0
         finally:
             await decode.stop()
 
@@ -53,7 +55,7 @@ async def test_requests_of_a_failed_step_get_internal_error() -> None:
         def always_fail(seqs: Any) -> Any:
             raise RuntimeError("injected fault")
 
-        decode.runner.decode = always_fail
+        decode.engine.runner.decode = always_fail
         await decode.start()
         try:
             async with await BatonClient.connect(procs.amqp_url) as client:

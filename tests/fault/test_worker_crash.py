@@ -13,7 +13,7 @@ import time
 import pytest
 
 from shared.client import BatonClient
-from shared.protocol import DoneReply, TokenReply
+from shared.wire.messages import DoneReply, TokenReply
 from tests.fault.harness import service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -59,7 +59,7 @@ async def test_decode_killed_mid_generation_loses_nothing() -> None:
         log = procs.tail(400)
 
     # the new decode worker got the redelivered handoffs and rebuilt their KV itself
-    assert "KV entry gone, recomputing" in log
+    assert "KV gone; recomputing" in log
 
     for ref, got in zip(reference, crashed, strict=True):
         assert got.finish_reason == "length"

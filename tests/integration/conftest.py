@@ -1,61 +1,52 @@
-"""A real Baton (four services, real RabbitMQ in a fresh vhost) shared by the integration tests."""
+"""A real Baton (every service, real RabbitMQ in a fresh vhost) shared by the integration tests,
+once per KV transport: ``shm`` (the spill store) and ``pool`` (decode copies from prefill's
+shared-memory KV pool). Each system is started once per session and stopped before the next."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 
-from services.launcher import LocalSystem, fresh_vhost
+from services.launcher import LocalSystem, free_port_block, fresh_vhost
+from services.shell.registry import METRICS_ENDPOINTS
 from shared.client import BatonClient
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture(scope="session")
-def amqp_url() -> Iterator[str]:
-    with fresh_vhost(prefix="baton-test") as url:
-        yield url
+KV_TRANSPORTS = ("shm", "pool")
 
 
-def _free_port_block(n: int = 4) -> int:
-    """A base port with ``n`` consecutive free ports (one per service in ``services up``)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65535 and all(_is_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no block of free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
+@pytest_asyncio.fixture(scope="session", params=KV_TRANSPORTS)
+async def system(request: pytest.FixtureRequest) -> AsyncIterator[LocalSystem]:
+    transport = str(request.param)
+    with fresh_vhost(prefix=f"baton-test-{transport}") as url:
+        env = {
+            "BATON_KV_CACHE_MB": "64",
+            "BATON_METRICS_PORT": str(free_port_block(len(METRICS_ENDPOINTS))),
+            "BATON_KV_TRANSPORT": transport,
+        }
+        sys_ = LocalSystem(url, env=env)
+        sys_.start()
         try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+            await sys_.wait_ready()
+            yield sys_
+        finally:
+            code = sys_.stop()
+            print(f"baton ({transport}) exited with {code}; log at {sys_.log_path}")
 
 
-@pytest.fixture(scope="session")
-def metrics_port() -> int:
-    return _free_port_block()
+@pytest.fixture
+def transport(system: LocalSystem) -> str:
+    """The KV transport of the system under test."""
+    return system.env["BATON_KV_TRANSPORT"]
 
 
-@pytest_asyncio.fixture(scope="session")
-async def system(amqp_url: str, metrics_port: int) -> AsyncIterator[LocalSystem]:
-    env = {"BATON_KV_CACHE_MB": "64", "BATON_METRICS_PORT": str(metrics_port)}
-    sys_ = LocalSystem(amqp_url, env=env)
-    sys_.start()
-    try:
-        await sys_.wait_ready()
-        yield sys_
-    finally:
-        code = sys_.stop()
-        print(f"baton exited with {code}; log at {sys_.log_path}")
+@pytest.fixture
+def metrics_port(system: LocalSystem) -> int:
+    """Where ``services up`` serves the first service's /metrics (the rest follow)."""
+    return int(system.env["BATON_METRICS_PORT"])
 
 
 @pytest_asyncio.fixture

@@ -10,9 +10,9 @@ import aio_pika
 import msgpack
 import pytest
 
-from shared.broker import DEAD_LETTER_QUEUE, REQUESTS_QUEUE
 from shared.client import BatonClient
-from shared.protocol import DoneReply, ErrorReply, TokenReply
+from shared.wire.messages import DoneReply, ErrorReply, TokenReply
+from shared.wire.queues import DEAD_LETTER_QUEUE, REQUESTS_QUEUE
 
 pytestmark = pytest.mark.integration
 

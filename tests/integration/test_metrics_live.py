@@ -1,19 +1,22 @@
-"""Each service's /metrics, /health and /ready on the running system; values move with load."""
+"""Each service's /metrics, /health and /ready on the running system; values move with load,
+and the KV handoffs went through the system's transport (for ``pool``: pinned, released, never
+the spill store)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from services.launcher import LocalSystem
+from services.shell.registry import METRICS_ENDPOINTS, port_offset
 from shared.client import BatonClient
-from shared.protocol import DoneReply
+from shared.observability.http_server import read_metrics
+from shared.wire.messages import DoneReply
 
 pytestmark = pytest.mark.integration
-
-SERVICES = ("tokenizer", "prefill", "decode", "detokenizer")  # port offsets 0..3 in `up`
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -24,23 +27,14 @@ def _get(port: int, path: str) -> tuple[int, str]:
         return exc.code, ""
 
 
-def _scrape(port: int) -> dict[str, float]:
-    status, text = _get(port, "/metrics")
-    assert status == 200
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return values
-
-
-async def test_metrics_move_with_load(client: BatonClient, metrics_port: int) -> None:
-    ports = {name: metrics_port + i for i, name in enumerate(SERVICES)}
+async def test_metrics_move_with_load(
+    client: BatonClient, system: LocalSystem, metrics_port: int, transport: str
+) -> None:
+    ports = {name: metrics_port + port_offset(name) for name in METRICS_ENDPOINTS}
     for port in ports.values():
         assert _get(port, "/health")[0] == 200
         assert _get(port, "/ready")[0] == 200
-    before = {name: _scrape(port) for name, port in ports.items()}
+    before = {name: read_metrics(port) for name, port in ports.items()}
 
     n, max_tokens = 12, 10
     replies = await asyncio.gather(
@@ -51,7 +45,7 @@ async def test_metrics_move_with_load(client: BatonClient, metrics_port: int) ->
     )
     assert all(isinstance(r, DoneReply) for r in replies)
     await asyncio.sleep(2.5)  # queue depths are polled every 2 s
-    after = {name: _scrape(port) for name, port in ports.items()}
+    after = {name: read_metrics(port) for name, port in ports.items()}
 
     def moved(service: str, key: str) -> float:
         return after[service].get(key, 0.0) - before[service].get(key, 0.0)
@@ -66,11 +60,31 @@ async def test_metrics_move_with_load(client: BatonClient, metrics_port: int) ->
     assert moved("tokenizer", "baton:prompt_tokens_total") == prompt_tokens
     # prefill: batches ran, KV went through the transport
     assert moved("prefill", "baton:batch_size_count") >= 1
-    assert moved("prefill", "baton:handoff_bytes_total{transport=shm}") > 0
+    assert moved("prefill", f"baton:handoff_bytes_total{{transport={transport}}}") > 0
     assert moved("prefill", "baton:prefix_cache_queries_total") >= prompt_tokens
-    # decode: every token after the first was generated there
+    # decode: every token after the first was generated there, on KV loaded from the transport
     assert moved("decode", "baton:generation_tokens_total") == n * (max_tokens - 1)
-    assert moved("decode", "baton:handoff_seconds_count{transport=shm}") == n
+    assert moved("decode", f"baton:handoff_seconds_count{{transport={transport}}}") == n
+    assert moved("decode", f"baton:handoff_bytes_total{{transport={transport}}}") > 0
     assert "baton:kv_cache_usage_perc" in after["decode"]
     assert "baton:queue_depth{queue=baton.requests}" in after["decode"]
     assert after["decode"]["baton:num_requests_running"] == 0
+    assert after["decode"]["baton:kv_blocks_used"] == 0
+    # no handoff took another way, and none was refused or recomputed
+    for service in ("prefill", "decode"):
+        for other in {"shm", "pool"} - {transport}:
+            assert after[service].get(f"baton:handoff_bytes_total{{transport={other}}}", 0) == 0
+        assert after[service]["baton:kv_handoff_fallbacks_total"] == 0
+    assert moved("decode", "baton:kv_map_failures_total") == 0
+    assert moved("decode", "baton:kv_stale_loads_total") == 0
+    if transport == "pool":
+        # Every pin was released by decode's notice (none left to a lease) once idle, and
+        # nothing went through the spill store: its folder holds the pool file alone.
+        assert after["prefill"]["baton:kv_blocks_pinned"] == 0
+        assert after["prefill"]["baton:kv_blocks_used"] == 0
+        assert moved("prefill", "baton:kv_leases_expired_total") == 0
+        assert after["prefill"].get("baton:spill_store_bytes", 0) == 0
+        names = os.listdir(system.spill_dir)
+        assert [f for f in names if f.startswith("pool-")] and not [
+            f for f in names if f.endswith((".kv", ".tmp"))
+        ], names

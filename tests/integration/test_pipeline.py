@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common import resolve_model_dir
-from shared.broker import REQUESTS_QUEUE
+from services.shell.common import resolve_model_dir
 from shared.client import BatonClient
 from shared.config import BatonConfig
-from shared.protocol import DoneReply, RequestMsg, Sampling, TokenReply, decode_reply
+from shared.wire.messages import DoneReply, RequestMsg, SamplingParams, TokenReply, decode_reply
+from shared.wire.queues import REQUESTS_QUEUE
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ async def test_64_requests_at_once_each_get_exactly_one_terminal(system) -> None
         ids: list[str] = []
 
         async def on_reply(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            reply = decode_reply(message.body)
+            reply = decode_reply(message.body, BatonConfig().max_message_bytes)
             assert message.correlation_id == reply.request_id
             replies.setdefault(reply.request_id, []).append(reply)
             terminal = sum(1 for rs in replies.values() for r in rs if r.type != "token")
@@ -128,7 +128,7 @@ async def _publish_all(
         msgs.append(
             RequestMsg(
                 request_id=rid,
-                sampling=Sampling(
+                sampling=SamplingParams(
                     max_tokens=max_tokens,
                     ignore_eos=True,
                     temperature=0.7 if i % 4 == 0 else 0.0,

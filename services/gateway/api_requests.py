@@ -1,0 +1,259 @@
+"""OpenAI request bodies → the arguments of one Baton request (``BatonClient.stream_timed``).
+
+Division of labour: this module checks what only the OpenAI dialect has (``n``, ``logprobs``,
+``echo``, batched prompts, content parts, ``stream_options``) and the *types* of the fields it
+renames or needs itself, so a mistake names the field the client actually sent. Ranges and
+limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], stop-string counts, prompt length,
+token ids inside the vocabulary) are left to the tokenizer service, the one authority on them;
+its ``invalid_request`` replies come back as 400s all the same.
+
+Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0, and a
+chat completion without ``max_tokens`` runs until EOS, a stop string or the model's length
+(``max_model_len``, capped by ``max_tokens_limit``); a completion's default stays 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import ApiError, invalid
+from shared.config import BatonConfig
+from shared.wire.messages import MAX_PRIORITY
+from shared.wire.sampling import DEFAULT_MAX_TOKENS
+
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class BatonRequest:
+    """One validated OpenAI request, ready to publish."""
+
+    chat: bool
+    model: str
+    stream: bool
+    include_usage: bool
+    baton: dict[str, Any]  # keyword arguments of BatonClient.stream_timed
+
+    @property
+    def timeout_s(self) -> float | None:
+        value = self.baton.get("timeout_s")
+        return float(value) if value is not None else None
+
+
+def served_model_id(config: BatonConfig) -> str:
+    """The one model id this gateway serves: BATON_MODEL's directory name, or baton-tiny."""
+    return config.model.rstrip("/").rsplit("/", 1)[-1] if config.model else "baton-tiny"
+
+
+def parse_completion(body: Any, config: BatonConfig) -> BatonRequest:
+    body = _object(body)
+    _refuse_unsupported(body, chat=False)
+    baton = _prompt(body.get("prompt"))
+    max_tokens = _opt(body, "max_tokens", int)
+    # Baton's default is OpenAI's documented one for /v1/completions: 16.
+    baton["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    return _finish(body, config, baton, chat=False)
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one: OpenAI's ["text"] or [[ids]]
+    elif (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(t, (str, list)) for t in prompt)
+    ):
+        raise invalid(
+            f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
+            "(send one request per prompt)",
+            "prompt",
+        )
+    if isinstance(prompt, str):
+        return {"prompt": _text(prompt, "prompt")}
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return {"prompt_token_ids": prompt}
+    raise invalid("prompt must be a string or a list of token ids", "prompt")
+
+
+def parse_chat(body: Any, config: BatonConfig) -> BatonRequest:
+    body = _object(body)
+    _refuse_unsupported(body, chat=True)
+    baton: dict[str, Any] = {"messages": _messages(body.get("messages"))}
+    # max_completion_tokens is OpenAI's current name; max_tokens its deprecated alias.
+    max_tokens = _opt(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _opt(body, "max_tokens", int)
+    if max_tokens is None:
+        max_tokens = min(config.max_model_len, config.max_tokens_limit)
+    baton["max_tokens"] = max_tokens
+    return _finish(body, config, baton, chat=True)
+
+
+def _finish(
+    body: dict[str, Any], config: BatonConfig, baton: dict[str, Any], chat: bool
+) -> BatonRequest:
+    model = body.get("model")
+    served = served_model_id(config)
+    if model is not None and model != served:
+        raise ApiError(
+            404, f"the model {_short(model)} does not exist; this server serves {served!r}",
+            "invalid_request_error", "model_not_found", "model",
+        )  # fmt: skip
+    stream = bool(_opt(body, "stream", bool))
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options must be an object", "stream_options")
+    include_usage = bool(_opt(options or {}, "include_usage", bool))
+
+    temperature = _opt(body, "temperature", float)
+    baton["temperature"] = 1.0 if temperature is None else temperature
+    for name, kind in (("top_p", float), ("seed", int), ("timeout_s", float), ("top_k", int)):
+        value = _opt(body, name, kind)
+        if value is not None:
+            baton[name] = value
+    if baton.get("top_k") == -1:  # vLLM's spelling of "off"; Baton's is 0
+        baton["top_k"] = 0
+    if _opt(body, "ignore_eos", bool):
+        baton["ignore_eos"] = True
+    baton["stop"] = _stop(body.get("stop"))
+    priority = _opt(body, "priority", int)
+    if priority is not None:
+        # Checked here, not only by the tokenizer: it also becomes the AMQP message priority.
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise invalid(f"priority must be in [0, {MAX_PRIORITY}], got {priority}", "priority")
+        baton["priority"] = priority
+    return BatonRequest(chat, served, stream, include_usage, baton)
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Fields that would change the answer's meaning are refused, never silently ignored."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise invalid(
+            f"n must be 1, got {n!r}: this server returns one choice per request "
+            "(send n requests with different seeds for n samples)",
+            "n",
+        )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise invalid(f"best_of is not supported (got {best_of!r}); leave it unset or 1", "best_of")
+    for name, is_default in _OFF.items():
+        value = body.get(name)
+        if value is not None and not is_default(value):
+            raise invalid(f"{name} is not supported by this server (got {_short(value)})", name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise invalid("response_format other than {'type': 'text'} is not supported",
+                      "response_format")  # fmt: skip
+    if chat and body.get("tool_choice") not in (None, "none", "auto"):
+        raise invalid("tool_choice is not supported by this server", "tool_choice")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if content is None:  # an assistant turn that only called tools
+            content = ""
+        elif isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise invalid(
+                        f"messages[{i}].content: only text parts are supported", "messages"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise invalid(f"messages[{i}].content: a text part needs a string text",
+                                  "messages")  # fmt: skip
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise invalid(f"messages[{i}].content must be a string or a list of parts",
+                          "messages")  # fmt: skip
+        out.append({"role": _text(m["role"], "messages"), "content": _text(content, "messages")})
+    return out
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [_text(value, "stop")]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [_text(s, "stop") for s in value]
+    raise invalid("stop must be a string or a list of strings", "stop")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    """An integer the wire (msgpack: signed or unsigned 64-bit) can carry; bool is none."""
+    return isinstance(value, int) and not isinstance(value, bool) and _INT_MIN <= value <= _INT_MAX
+
+
+def _text(value: str, param: str) -> str:
+    """JSON admits lone surrogates ("\\ud800"), which no UTF-8 encoder (msgpack's) takes."""
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise invalid(f"{param} holds text that is not valid Unicode", param) from None
+    return value
+
+
+def _opt(body: dict[str, Any], name: str, kind: type) -> Any:
+    """``body[name]`` if present and not null, checked to be a ``kind`` (bool is no number)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = _is_int(value)
+    else:  # float: an integer is a number too, if a float can hold it
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and (isinstance(value, float) or _INT_MIN <= value <= _INT_MAX)
+    if not ok:
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise invalid(f"{name} is out of range (beyond 64 bits)", name)
+        raise invalid(f"{name} must be {_NAMES[kind]}, got {type(value).__name__}", name)
+    return float(value) if kind is float else value
+
+
+_NAMES = {bool: "a boolean", int: "an integer", float: "a number"}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+# Features Baton does not have, each with the test for "the client left it off" (null is off).
+# completions' logprobs=0 still asks for the sampled token's logprob, so only false is off.
+_OFF: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is False,
+    "top_logprobs": _is_zero,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+    "presence_penalty": _is_zero,
+    "frequency_penalty": _is_zero,
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+}

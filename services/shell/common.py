@@ -1,0 +1,61 @@
+"""What every service process shares: the model directory and the run loop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import structlog
+
+from shared.config import DEFAULT_MODEL_DIR, BatonConfig
+
+log = structlog.get_logger(__name__)
+
+
+def resolve_model_dir(config: BatonConfig) -> Path:
+    """``BATON_MODEL`` if set, else the built-in tiny model (built on first use, atomically)."""
+    if config.model:
+        path = Path(config.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"BATON_MODEL={config.model!r} is not a local HF model dir")
+        return path
+    from shared.models.tiny.builder import ensure_tiny_model
+
+    return ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
+
+
+class Service(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Finishing(Protocol):
+    """A service that may end by itself (a drained one): ``wait_finished`` then returns."""
+
+    async def wait_finished(self) -> None: ...
+
+
+async def run_until_signalled(service: Service) -> None:
+    """Start, serve until SIGINT/SIGTERM or until the service finished draining, then stop
+    cleanly (unacked work is redelivered)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    log.info("service ready", service=service.name)
+    waits: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
+    if isinstance(service, Finishing):
+        waits.append(asyncio.create_task(service.wait_finished()))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    log.info("service stopping", service=service.name, drained=not stop.is_set())
+    await service.stop()
+    log.info("service stopped", service=service.name)

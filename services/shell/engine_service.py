@@ -1,0 +1,382 @@
+"""The one engine loop, for prefill and decode: consume → ``engine.add``/``abort`` → ``step`` →
+publish in the background → ack what the engine retired once its outputs are confirmed.
+
+Threading: deliveries and control messages only land in ``inbox`` / the abort queue (event loop);
+the loop hands them to the engine between steps, and ``step`` runs in a worker thread — so the
+engine is only ever touched by one thread at a time (its invariant, ``shared/core/engine.py``).
+
+A work message becomes a :class:`NewRequest` here (``to_request``); a subclass
+(``services/prefill``, ``services/decode``) names its message type and, for prefill, turns
+handoffs into ``HandoffMsg`` (``handoff_messages``). Everything else — intake, drain, acks,
+metrics — is here and in the service shell. The scheduling policy (``self.policy``) is fed by
+the subclass and answers with the prefetch window after each step (``window``) and whether
+intake is open (``intake_open``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aio_pika.abc import AbstractIncomingMessage
+
+from services.shell.broker import Outgoing
+from services.shell.prefetch import PrefetchWindow
+from services.shell.shell import ServiceShell, ack, detok_events, requeue
+from shared.config import BatonConfig
+from shared.core.engine import EngineCore
+from shared.core.outputs import AddResult, EngineLoad, Handoff, NewRequest, StepOutput
+from shared.kv_transfer import ShmConnector
+from shared.scheduling.policy import SchedulingPolicy
+from shared.wire.errors import ErrorCode, ProtocolError
+from shared.wire.messages import (
+    ControlMsg,
+    HandoffMsg,
+    KVRelease,
+    KVReleaseMsg,
+    PrefillMsg,
+    TokenEvent,
+    unpack,
+)
+from shared.wire.queues import DECODE_QUEUE, kv_release_queue
+
+log = structlog.get_logger(__name__)
+
+IDLE_WAIT_S = 0.5  # an idle engine still steps this often (deadlines, KV leases, orphan sweeps)
+BUSY_WAIT_S = 0.01  # work that cannot be scheduled now (KV blocks short): re-check this often
+
+
+@dataclass
+class Intake:
+    """A decoded work message and the delivery to ack once its outcome is confirmed."""
+
+    msg: Any  # PrefillMsg | HandoffMsg
+    delivery: AbstractIncomingMessage
+
+
+class EngineService(ABC):
+    name: str
+    queue: str
+    message_type: type[PrefillMsg] | type[HandoffMsg]
+
+    def __init__(
+        self, config: BatonConfig, engine: EngineCore, prefetch: int, batch_wait_s: float = 0.0
+    ) -> None:
+        """``prefetch``: the largest window this service ever wants (the per-consumer cap); the
+        policy's answer (``window``) moves it below that after each step."""
+        self.config = config
+        self.engine = engine
+        self.batch_wait_s = batch_wait_s  # after waking from idle: let neighbours join the batch
+        self.shell = ServiceShell(config, self.name, prefetch)
+        self.policy = SchedulingPolicy(config)
+        self.prefetch = PrefetchWindow(self.shell.broker, self.shell.metrics, prefetch)
+        self.load = EngineLoad()  # after the last step
+        self.inbox: deque[Intake] = deque()  # received, not yet handed to the engine
+        self.inflight: dict[str, Intake] = {}  # handed to the engine; acked once retired
+        self._aborts: deque[str] = deque()
+        self._releases: deque[KVRelease] = deque()  # notices for KV this engine sent
+        self._wake = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+        self.shell.metrics.watch_device(config.device)
+        if isinstance(engine.connector, ShmConnector):
+            self.shell.metrics.watch_spill_store(engine.connector.used_bytes)
+
+    # --- translation (the subclass) -------------------------------------------------------------
+    def to_request(self, msg: PrefillMsg | HandoffMsg) -> NewRequest:
+        """The engine's view of a work message; a handoff also brings its output and KV."""
+        handoff = msg if isinstance(msg, HandoffMsg) else None
+        return NewRequest(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling=msg.sampling,
+            output_token_ids=handoff.output_token_ids if handoff else [],
+            priority=msg.priority,
+            arrival_time=msg.arrival_time,
+            deadline=msg.deadline,
+            kv=handoff.kv if handoff else None,
+        )
+
+    def handoff_messages(
+        self, handoffs: list[Handoff], originals: dict[str, PrefillMsg | HandoffMsg]
+    ) -> list[Outgoing]:
+        """Handoffs to ``baton.decode``: prefill's finished prompts, and decode's swapped-out
+        sequences (any decode worker resumes them); ``originals``: their inputs by id."""
+        outs = []
+        for h in handoffs:
+            msg = originals[h.request_id]
+            handoff = HandoffMsg(
+                request_id=h.request_id,
+                prompt_token_ids=msg.prompt_token_ids,
+                output_token_ids=h.output_token_ids,
+                sampling=msg.sampling,
+                kv=h.kv,
+                priority=msg.priority,  # the client's; the AMQP priority is the effective one
+                arrival_time=msg.arrival_time,
+                deadline=msg.deadline,
+            )
+            outs.append(Outgoing(DECODE_QUEUE, handoff.encode(), priority=h.priority))
+            self.shell.metrics.on_published(DECODE_QUEUE, msg.priority, h.priority, "aging")
+        return outs
+
+    # --- policy (the subclass) ------------------------------------------------------------------
+    @abstractmethod
+    def window(self, load: EngineLoad) -> int:
+        """The policy's prefetch for this consumer, given the engine's load after a step."""
+
+    def intake_open(self) -> bool:
+        """False while the policy pauses intake: deliveries wait in the inbox, not the engine."""
+        return True
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.shell.start(
+            on_control=self._on_control, on_drain=self._give_back_inbox, idle=self._idle
+        )
+        await self.prefetch.start()
+        self._loop = asyncio.create_task(self._run())
+        route = self.engine.connector.release_route
+        if route is not None:  # a pooled sender: receivers tell it when its pins may go
+            await self.shell.broker.consume_private(kv_release_queue(route), self._on_release)
+        await self.shell.consume(self.queue, self._on_delivery, on_poison=self._answer_poison)
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        await self.prefetch.stop()
+        await self.shell.stop()
+        # A pooled sender's pool file goes with it (a killed one is reaped by the next start).
+        self.engine.connector.close()
+
+    async def wait_finished(self) -> None:
+        await self.shell.wait_finished()
+
+    # --- intake (event loop; never touches the engine) ------------------------------------------
+    async def _on_delivery(self, delivery: AbstractIncomingMessage) -> None:
+        try:
+            msg = self.message_type.decode(delivery.body, self.config.max_message_bytes)
+            self._check_token_ids(msg)
+        except ProtocolError as exc:
+            await self._fail_unreadable(delivery, exc)
+            return
+        self.inbox.append(Intake(msg, delivery))
+        self._wake.set()
+
+    def _check_token_ids(self, msg: Any) -> None:
+        """A token id outside the vocabulary would fail the forward of everything batched with
+        it: refused here, like any malformed message (the tokenizer refuses a client's)."""
+        vocab = self.engine.runner.model_config.vocab_size
+        for ids in (msg.prompt_token_ids, getattr(msg, "output_token_ids", ())):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise ProtocolError(ErrorCode.INTERNAL, f"token id outside 0..{vocab - 1}")
+
+    async def _on_release(self, message: AbstractIncomingMessage) -> None:
+        try:
+            msg = KVReleaseMsg.decode(message.body, self.config.max_message_bytes)
+        except ProtocolError as exc:  # harmless to drop: the lease frees the blocks
+            log.warning("unreadable KV release notice ignored", reason=exc.message)
+            return
+        self._releases.extend(msg.releases)
+        self._wake.set()
+
+    def _on_control(self, ctl: ControlMsg) -> None:
+        if ctl.request_id is not None:  # cancel or abort: this worker drops it either way
+            self._aborts.append(ctl.request_id)
+            self._wake.set()
+
+    async def _give_back_inbox(self) -> None:
+        """Drain: what was received but never handed to the engine goes back to the queue."""
+        items = list(self.inbox)
+        self.inbox.clear()
+        for item in items:
+            await requeue(item.delivery)
+        if items:
+            log.info("returned unstarted work to the queue", count=len(items), queue=self.queue)
+
+    def _idle(self) -> bool:
+        return not self.inbox and not self.inflight and self.engine.is_drained()
+
+    # --- the loop -------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._iterate()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("engine loop error", service=self.name)
+                await asyncio.sleep(0.1)
+
+    async def _iterate(self) -> None:
+        if not self.engine.has_work() and not self._has_input():
+            await self._wait(IDLE_WAIT_S)
+            if self._has_input() and self.batch_wait_s > 0:
+                await asyncio.sleep(0)  # take in what the socket already holds
+                # A burst (more than one request already here) waits for the rest of it to join
+                # the batch; a lone request on an idle engine does not wait for company that is
+                # not coming (the wait was ~40% of a 1-token request's pipeline overhead).
+                if len(self.inbox) > 1:
+                    await asyncio.sleep(self.batch_wait_s)
+        self._take_in()
+        out = await asyncio.to_thread(self.engine.step)
+        self._publish(out)
+        self.load = out.load
+        self.prefetch.want(self.window(out.load))
+        if out.stats is None and self.engine.has_work() and not self._has_input():
+            await self._wait(BUSY_WAIT_S)
+
+    def wake(self) -> None:
+        """Run the loop now (e.g. the policy reopened intake)."""
+        self._wake.set()
+
+    def _has_input(self) -> bool:
+        """Anything for ``_take_in`` (a draining service takes no new work)."""
+        return (
+            bool(self._aborts)
+            or bool(self._releases)
+            or (bool(self.inbox) and not self.shell.draining and self.intake_open())
+        )
+
+    async def _wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
+        self._wake.clear()
+
+    def _take_in(self) -> None:
+        """Between steps: new work and aborts into the engine (synchronous: nothing interleaves)."""
+        now = time.time()
+        self.engine.observe_backlog(self.policy.prefill_backlog)
+        while self.inbox and not self.shell.draining and self.intake_open():
+            item = self.inbox.popleft()
+            try:
+                self._add(item, now)
+            except Exception as exc:  # a bug must not leave the request unanswered and unacked
+                rid = item.msg.request_id
+                log.exception("engine refused a request", request_id=rid)
+                reason = f"{self.name} could not take the request: {type(exc).__name__}"
+                event = error_event(rid, ErrorCode.INTERNAL, reason)
+                self.shell.publish_then_ack(self._detok([event], now), [item.delivery], "error")
+        while self._releases:
+            self.engine.release(self._releases.popleft(), now)
+        while self._aborts:
+            rid = self._aborts.popleft()
+            if self.engine.abort(rid):
+                aborted = self.inflight.pop(rid, None)
+                if aborted is not None:
+                    self.shell.publish_then_ack([], [aborted.delivery], "abort")
+
+    def _add(self, item: Intake, now: float) -> None:
+        rid = item.msg.request_id
+        req = self.to_request(item.msg)
+        result = self.engine.add(req, now)
+        if result is AddResult.ADDED:
+            self.inflight[rid] = item
+        elif result is AddResult.DUPLICATE and rid in self.inflight:
+            # A second copy of a request running here (redelivered after a reconnect, or sent
+            # twice upstream): keep the newest delivery unacked — the older one's channel may
+            # be gone — and ack the other.
+            old = self.inflight[rid]
+            self.inflight[rid] = Intake(old.msg, item.delivery)
+            self.shell.spawn(ack(old.delivery))
+        elif result is AddResult.TOO_LONG:
+            n = len(req.prompt_token_ids) + len(req.output_token_ids)
+            reason = f"{n} tokens do not fit this engine (max {self.engine.limits.max_model_len})"
+            log.info("request too long for the engine", request_id=rid, reason=reason)
+            event = error_event(rid, ErrorCode.PROMPT_TOO_LONG, reason)
+            self.shell.publish_then_ack(self._detok([event], now), [item.delivery], "refusal")
+        else:  # STALE: cancelled or past its deadline; the detokenizer answers it
+            self.shell.spawn(ack(item.delivery))
+
+    def _publish(self, out: StepOutput) -> None:
+        metrics = self.shell.metrics
+        if out.stats is not None:
+            metrics.on_step(out.stats)
+            stats = out.stats
+            self.policy.observe_step(stats.forward_s, stats.num_seqs, stats.num_scheduled_tokens)
+        metrics.on_load(out.load)
+        metrics.on_priorities(self.engine.priorities)
+        for stat in out.transfers:
+            metrics.on_transfer(stat)
+        metrics.on_connector(self.engine.connector.stats())
+        if out.releases:
+            self.publish_releases(out.releases)
+        if not out:
+            return
+        events = [
+            TokenEvent(
+                t.request_id, t.index, t.token_ids, t.finish_reason, scheduled_at=t.scheduled_at
+            )
+            for t in out.tokens
+        ]
+        events += [error_event(e.request_id, e.code, e.message) for e in out.errors]
+        outs = self._detok(events, time.time())
+        if out.handoffs:
+            originals = {h.request_id: self.inflight[h.request_id].msg for h in out.handoffs}
+            outs += self.handoff_messages(out.handoffs, originals)
+        retired = [self.inflight.pop(rid).delivery for rid in out.retired if rid in self.inflight]
+        if outs or retired:
+            task = self.shell.publish_then_ack(outs, retired, f"{self.name} outputs")
+            if retired:  # how long inputs stay held after their step (the policy's window)
+                ended = time.monotonic()
+                task.add_done_callback(
+                    lambda _: self.policy.observe_release(time.monotonic() - ended)
+                )
+
+    def _detok(self, events: list[TokenEvent], now: float) -> list[Outgoing]:
+        return detok_events(events, now, self.config.detok_shards)
+
+    def publish_releases(self, releases: list[KVRelease]) -> None:
+        """Receiver → sender: one best-effort message per sending worker and step. A lost one
+        costs nothing but time: the sender's lease frees the blocks."""
+        by_sender: dict[str, list[KVRelease]] = {}
+        for notice in releases:
+            by_sender.setdefault(notice.sender_id, []).append(notice)
+        for sender_id, notices in by_sender.items():
+            body = KVReleaseMsg(releases=notices).encode()
+            out = Outgoing(kv_release_queue(sender_id), body, persistent=False)
+            self.shell.spawn(self._send_release(out))
+
+    async def _send_release(self, out: Outgoing) -> None:
+        try:
+            await self.shell.publish(out)
+        except Exception as exc:
+            log.warning("KV release notice not sent; the lease will free it", error=str(exc))
+
+    async def _fail_unreadable(self, delivery: AbstractIncomingMessage, exc: ProtocolError) -> None:
+        """A work message we cannot read (version skew, corruption): answer its request if the
+        id is recoverable, so the client still gets its one terminal reply; dead-letter it."""
+        rid = _peek_request_id(delivery.body, self.config.max_message_bytes)
+        log.error("unreadable work message", request_id=rid, reason=exc.message)
+        if rid is not None:
+            event = error_event(rid, ErrorCode.INTERNAL, exc.message)
+            await self.shell.broker.publish_many(self._detok([event], time.time()))
+        await delivery.reject(requeue=False)
+
+    async def _answer_poison(self, delivery: AbstractIncomingMessage, failures: int) -> None:
+        """About to be dead-lettered: its request gets an ``internal`` error."""
+        rid = _peek_request_id(delivery.body, self.config.max_message_bytes)
+        log.error("request set aside as poison", request_id=rid, failures=failures)
+        if rid is not None:
+            reason = f"{self.name} failed on this request {failures} times; it was set aside"
+            event = error_event(rid, ErrorCode.INTERNAL, reason)
+            await self.shell.broker.publish_many(self._detok([event], time.time()))
+
+
+def error_event(request_id: str, code: ErrorCode, message: str) -> TokenEvent:
+    return TokenEvent(request_id, 0, [], error_code=code.value, error_message=message)
+
+
+def _peek_request_id(body: bytes, max_bytes: int) -> str | None:
+    try:
+        d = unpack(body, max_bytes)
+    except ProtocolError:
+        return None
+    rid = d.get("request_id") if isinstance(d, dict) else None
+    return rid if isinstance(rid, str) else None

@@ -1,0 +1,228 @@
+"""Service-side metric updates: turns engine step facts and service events into Prometheus metrics.
+
+Each service owns one :class:`ServiceMetrics` (the service shell creates it). Engine services
+feed it :class:`~shared.core.outputs.StepStats` and
+:class:`~shared.core.outputs.KVTransferStat`; it never sees a scheduler or a block manager. The
+HTTP endpoint (``/metrics``, ``/health``, ``/ready``) runs only when ``BATON_METRICS_PORT`` is
+set; event-driven metrics are always updated (a few increments per step), polled ones (queue
+depths, the spill store's size) only while the endpoint runs, since nobody could read them else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from shared.config import BatonConfig
+from shared.kv_transfer.connector import KVConnectorStats
+from shared.observability.http_server import start_metrics_server
+from shared.observability.metrics import Metrics
+
+if TYPE_CHECKING:
+    from services.shell.broker import Broker
+    from shared.core.outputs import EngineLoad, KVTransferStat, StepStats
+    from shared.scheduling.policy import PrefillIntake
+    from shared.scheduling.priority import Prioritizer
+    from shared.wire.messages import DoneReply, ErrorReply, StartInfo
+
+log = structlog.get_logger(__name__)
+
+POLL_INTERVAL_S = 2.0
+
+
+class ServiceMetrics:
+    def __init__(self, config: BatonConfig, service: str, broker: Broker | None = None) -> None:
+        self.config = config
+        self.service = service
+        self.broker = broker
+        self.metrics = Metrics()
+        self.metrics.service_info.info({"service": service, "device": config.device})
+        self._server: asyncio.AbstractServer | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._spill_store: Callable[[], int] | None = None
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+        self._last_swaps = (0, 0)  # (out, in)
+        self._last_connector = KVConnectorStats()
+        self._step_weight_bytes = 0
+        self._kv_bytes_per_token = 0
+
+    async def start(self, ready: Callable[[], bool]) -> None:
+        if not self.config.metrics_port:
+            return
+        self._server = await start_metrics_server(self.config.metrics_port, self.metrics, ready)
+        if self.broker is not None or self._spill_store is not None:
+            self._poller = asyncio.create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    def watch_device(self, device: str) -> None:
+        """Export ``baton:gpu_memory_*`` for a CUDA device (a process that holds a model there)."""
+        self.metrics.watch_device(device)
+
+    def watch_spill_store(self, used_bytes: Callable[[], int]) -> None:
+        """Poll the spill store's size (``baton:spill_store_bytes``); call before ``start``."""
+        self._spill_store = used_bytes
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                if self.broker is not None:
+                    self.metrics.set_queue_depths(await self.broker.queue_depths())
+                if self._spill_store is not None:
+                    used = await asyncio.to_thread(self._spill_store)
+                    self.metrics.spill_store_bytes.set(used)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the broker reconnects; a missed poll is harmless
+                log.debug("metrics poll failed", error=str(exc))
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    # --- every consumer -------------------------------------------------------------------------
+    def on_redelivered(self, queue: str) -> None:
+        self.metrics.redelivered_messages.labels(queue=queue).inc()
+
+    def on_poison(self, queue: str) -> None:
+        self.metrics.poison_messages.labels(queue=queue).inc()
+
+    # --- detokenizer ----------------------------------------------------------------------------
+    def set_detok_held(self, held_messages: int, active_requests: int) -> None:
+        self.metrics.detok_held_messages.set(held_messages)
+        self.metrics.detok_active_requests.set(active_requests)
+
+    # --- tokenizer ------------------------------------------------------------------------------
+    def on_accepted(self, num_prompt_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.request_prompt_tokens.observe(num_prompt_tokens)
+
+    def on_error(self, code: str) -> None:
+        self.metrics.request_errors.labels(code=code).inc()
+
+    # --- scheduling policy ----------------------------------------------------------------------
+    def on_admission(self, admit: bool) -> None:
+        self.metrics.admission_decisions.labels(
+            decision="admitted" if admit else "overloaded"
+        ).inc()
+
+    def on_deadline(self, source: str, seconds: float | None) -> None:
+        """``source``: default | client | none (``seconds`` None)."""
+        self.metrics.request_deadlines.labels(source=source).inc()
+        if seconds is not None:
+            self.metrics.request_deadline_seconds.observe(seconds)
+
+    def on_prefetch(self, prefetch: int, changed: bool) -> None:
+        self.metrics.consumer_prefetch.set(prefetch)
+        if changed:
+            self.metrics.prefetch_updates.inc()
+
+    def on_policy_times(self, release_s: float | None, batches_ahead: int | None) -> None:
+        if release_s is not None:
+            self.metrics.release_seconds.set(release_s)
+        if batches_ahead is not None:
+            self.metrics.prefill_batches_ahead.set(batches_ahead)
+
+    def on_intake(self, intake: PrefillIntake) -> None:
+        m = self.metrics
+        m.prefill_intake_pressure.set(intake.pressure)
+        for state in type(intake.state):  # every state of the Intake enum
+            m.prefill_intake_state.labels(state=state.value).set(int(state is intake.state))
+
+    def on_published(self, queue: str, priority: int, wire: int, reason: str) -> None:
+        """A work message published with AMQP priority ``wire`` (client priority ``priority``);
+        ``reason`` names what raised it, if it was raised."""
+        self.metrics.published_priority.labels(queue=queue, priority=str(wire)).inc()
+        if wire > priority:
+            self.metrics.priority_boosts.labels(reason=reason).inc()
+
+    def on_priorities(self, prioritizer: Prioritizer) -> None:
+        m = self.metrics
+        m.priority_aging_horizon.set(prioritizer.horizon_s or 0.0)
+        m.priority_median_wait.set(prioritizer.median_wait_s or 0.0)
+        m.short_prompt_boost_active.set(int(prioritizer.boosting))
+
+    # --- prefill and decode ---------------------------------------------------------------------
+    def set_decode_costs(self, weight_bytes: int, kv_bytes_per_token: int) -> None:
+        """What one decode step must read besides the KV of its batch (for the bandwidth gauge)."""
+        self._step_weight_bytes = weight_bytes
+        self._kv_bytes_per_token = kv_bytes_per_token
+
+    def on_step(self, stats: StepStats) -> None:
+        """One forward of a prefill or decode engine."""
+        m = self.metrics
+        m.batch_size.observe(stats.num_seqs)
+        if self.service == "decode":  # a decode step's budget is its sequence cap
+            m.batch_token_utilization.observe(stats.num_seqs / self.config.max_num_seqs)
+        else:
+            budget = self.config.max_num_batched_tokens
+            m.batch_token_utilization.observe(stats.num_scheduled_tokens / budget)
+        m.forward_seconds.observe(stats.forward_s)
+        m.generation_tokens.inc(stats.num_generated_tokens)
+        last_q, last_h = self._last_prefix
+        if stats.prefix_queries_total > last_q:
+            m.prefix_cache_queries.inc(stats.prefix_queries_total - last_q)
+            m.prefix_cache_hits.inc(stats.prefix_hits_total - last_h)
+            self._last_prefix = (stats.prefix_queries_total, stats.prefix_hits_total)
+        if stats.preemptions_total > self._last_preemptions:
+            m.num_preemptions.labels(mode="recompute").inc(
+                stats.preemptions_total - self._last_preemptions
+            )
+            self._last_preemptions = stats.preemptions_total
+        if stats.swaps_out_total > self._last_swaps[0]:
+            m.num_preemptions.labels(mode="swap").inc(stats.swaps_out_total - self._last_swaps[0])
+        if stats.swaps_in_total > self._last_swaps[1]:
+            m.num_swap_ins.inc(stats.swaps_in_total - self._last_swaps[1])
+        self._last_swaps = (stats.swaps_out_total, stats.swaps_in_total)
+        if stats.num_context_tokens and stats.forward_s > 0 and self._step_weight_bytes:
+            read = self._step_weight_bytes + stats.num_context_tokens * self._kv_bytes_per_token
+            m.memory_bandwidth_bytes_per_second.set(read / stats.forward_s)
+
+    def on_load(self, load: EngineLoad) -> None:
+        """The engine's requests and KV blocks after each step, forward or not."""
+        self.metrics.num_requests_running.set(load.num_running)
+        self.metrics.num_requests_waiting.set(load.num_waiting)
+        self.metrics.set_kv_blocks(load.num_used_blocks, load.num_free_blocks)
+
+    def on_connector(self, stats: KVConnectorStats) -> None:
+        """The KV connector's counters, read after each step (cumulative: add what is new)."""
+        m, last = self.metrics, self._last_connector
+        m.kv_blocks_pinned.set(stats.pinned_blocks)
+        for counter, new, old in (
+            (m.kv_leases_expired, stats.leases_expired, last.leases_expired),
+            (m.kv_map_failures, stats.map_failures, last.map_failures),
+            (m.kv_stale_loads, stats.stale_loads, last.stale_loads),
+            (m.kv_handoff_fallbacks, stats.fallbacks, last.fallbacks),
+        ):
+            if new > old:
+                counter.inc(new - old)
+        self._last_connector = stats
+
+    def on_transfer(self, stat: KVTransferStat) -> None:
+        self.metrics.handoff_bytes.labels(transport=stat.transport).inc(stat.nbytes)
+        self.metrics.handoff_seconds.labels(transport=stat.transport).observe(stat.seconds)
+
+    # --- detokenizer ----------------------------------------------------------------------------
+    def on_request_finished(self, info: StartInfo, reply: DoneReply | ErrorReply) -> None:
+        m = self.metrics
+        if reply.type == "error":
+            m.request_errors.labels(code=reply.code).inc()  # type: ignore[union-attr]
+            return
+        done: Any = reply
+        timing, n = done.timing, len(done.token_ids)
+        m.request_success.labels(finish_reason=done.finish_reason).inc()
+        m.e2e_request_latency.observe(timing["e2e_s"])
+        m.request_generation_tokens.observe(n)
+        if n:
+            m.time_to_first_token.observe(timing["ttft_s"])
+            m.request_queue_time.observe(timing["queue_s"])
+        if n > 1:
+            m.time_per_output_token.observe(timing["tpot_s"])

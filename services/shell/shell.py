@@ -1,0 +1,297 @@
+"""The one service shell, composed into every service: broker, control, intake, publishing, drain.
+
+What it owns, so that a service module only translates between wire messages and its core:
+- the broker connection and topology (:class:`~services.shell.broker.Broker`);
+- the control subscription (``baton.control``): ``cancel``/``abort`` go to the service's
+  callback, ``drain`` is handled here (below);
+- consumers with prefetch; each delivery is counted (``redelivered_messages_total`` when the
+  broker's redelivered flag is set) and tracked while its handler runs;
+- publishing with confirms, and ordered background publishes that ack their inputs only once
+  confirmed (:meth:`publish_then_ack`);
+- the metrics, ``/health`` and ``/ready`` endpoint (:class:`ServiceMetrics`).
+
+Drain: on a ``drain`` control message a drainable service stops consuming (its consumers are
+cancelled; a delivery that still arrives is requeued), gives back what it received but has not
+started (``on_drain``), reports not-ready, finishes the work it holds, logs ``drained`` and ends
+(``wait_finished`` returns; the process exits 0). A service that must keep answering work already
+accepted (the detokenizer) is not drainable and ignores the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any
+
+import structlog
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+
+from services.shell.broker import Broker, Handler, Outgoing
+from services.shell.service_metrics import ServiceMetrics
+from shared.config import BatonConfig
+from shared.wire.errors import ProtocolError
+from shared.wire.messages import ControlMsg, DetokMsg, TokenEvent
+from shared.wire.queues import REQUESTS_QUEUE, detok_queue_for
+
+log = structlog.get_logger(__name__)
+
+ControlHandler = Callable[[ControlMsg], None]
+# Answers the request of a message that is about to be dead-lettered as poison.
+PoisonHandler = Callable[[AbstractIncomingMessage, int], Awaitable[None]]
+# How many deliveries of a message ended without it being finished (see _count_redelivery).
+FAILURES_HEADER = "x-baton-failures"
+DRAIN_POLL_S = 0.05
+STOP_PUBLISH_TIMEOUT_S = 10.0
+
+
+class ServiceShell:
+    def __init__(
+        self,
+        config: BatonConfig,
+        name: str,
+        prefetch: int,
+        *,
+        poll_queue_depths: bool = True,
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.broker = Broker(config, prefetch_count=prefetch)
+        self.metrics = ServiceMetrics(config, name, self.broker if poll_queue_depths else None)
+        self.draining = False
+        self._consumers: list[tuple[AbstractQueue, str]] = []
+        self._handling = 0  # deliveries whose handler is still running
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_publish: asyncio.Task[None] | None = None
+        self._on_control: ControlHandler | None = None
+        self._drainable = True
+        self._on_drain: Callable[[], Awaitable[None]] | None = None
+        self._idle: Callable[[], bool] = lambda: True
+        self._drain_task: asyncio.Task[None] | None = None
+        self._periodic: list[asyncio.Task[None]] = []
+        self._finished = asyncio.Event()
+        self._trusted = {u.strip() for u in config.trusted_publishers.split(",") if u.strip()}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(
+        self,
+        *,
+        on_control: ControlHandler | None = None,
+        drainable: bool = True,
+        on_drain: Callable[[], Awaitable[None]] | None = None,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
+        """Connect, subscribe to control, serve metrics. ``idle``: the service holds no work
+        (drain ends when it is true, no handler runs and every background publish is done)."""
+        self._on_control, self._drainable, self._on_drain = on_control, drainable, on_drain
+        if idle is not None:
+            self._idle = idle
+        await self.broker.connect()
+        await self.broker.subscribe_control(self._control)
+        await self.metrics.start(ready=self.ready)
+
+    def ready(self) -> bool:
+        return bool(self._consumers) and not self.draining
+
+    async def wait_finished(self) -> None:
+        """Returns once the service has drained (it never does otherwise)."""
+        await self._finished.wait()
+
+    def every(self, interval_s: float, poll: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run ``poll`` every ``interval_s`` until ``stop``; a failure is logged, not fatal."""
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await poll()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # e.g. the broker reconnecting: the next one may work
+                    log.debug(f"{what} failed", error=str(exc))
+                await asyncio.sleep(interval_s)
+
+        self._periodic.append(asyncio.create_task(loop()))
+
+    async def stop(self) -> None:
+        for task in [*self._periodic, *([self._drain_task] if self._drain_task else [])]:
+            task.cancel()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=STOP_PUBLISH_TIMEOUT_S)
+            for task in pending:  # the broker is gone: the inputs stay unacked and are redelivered
+                task.cancel()
+        await self.broker.close()
+        await self.metrics.stop()
+
+    # --- intake ---------------------------------------------------------------------------------
+    async def consume(
+        self, queue: str, handler: Handler, *, on_poison: PoisonHandler | None = None
+    ) -> None:
+        """Consume ``queue``. With ``on_poison``, redeliveries are counted (see
+        :meth:`_count_redelivery`) and a message whose deliveries failed
+        ``max_delivery_failures`` times is given to
+        ``on_poison`` (to answer its request) and dead-lettered to ``baton.dead``."""
+
+        async def on_delivery(delivery: AbstractIncomingMessage) -> None:
+            if checked and delivery.user_id not in self._trusted:
+                log.error(
+                    "work from an untrusted publisher dead-lettered",
+                    queue=queue,
+                    user_id=delivery.user_id,
+                    correlation_id=delivery.correlation_id,
+                )
+                with contextlib.suppress(Exception):
+                    await delivery.reject(requeue=False)
+                return
+            if delivery.redelivered:
+                self.metrics.on_redelivered(queue)
+                if on_poison is not None and not self.draining:
+                    await self._count_redelivery(queue, delivery, on_poison)
+                    return
+            if self.draining:  # in flight when the consumer was cancelled: give it back
+                await requeue(delivery)
+                return
+            self._handling += 1
+            try:
+                await handler(delivery)
+            finally:
+                self._handling -= 1
+
+        # Clients write only baton.requests; every other queue carries work between services.
+        checked = bool(self._trusted) and queue != REQUESTS_QUEUE
+        if not self.draining:  # a drain that came during start-up: never begin
+            self._consumers.append(await self.broker.consume(queue, on_delivery))
+
+    async def _count_redelivery(
+        self, queue: str, delivery: AbstractIncomingMessage, on_poison: PoisonHandler
+    ) -> None:
+        """A redelivered message: a worker took it and did not finish it (crashed, lost its
+        channel). The count must outlive the worker, so it travels in the message: the message
+        is republished with the count in a header, then acked, and runs again as the copy. At
+        ``max_delivery_failures`` it is poison: answered and dead-lettered, never run again.
+
+        Why not quorum queues' ``x-delivery-limit``: they have two priority levels (RabbitMQ
+        ≥ 4.0; none before), and Baton's scheduling needs the contract's ten. A worker killed
+        several times in a row also counts against the messages it held: the limit allows that.
+        """
+        recorded = (delivery.headers or {}).get(FAILURES_HEADER)
+        failures = (recorded if type(recorded) is int and recorded >= 0 else 0) + 1
+        if failures >= self.config.max_delivery_failures:
+            log.error(
+                "poison message dead-lettered",
+                queue=queue,
+                failures=failures,
+                correlation_id=delivery.correlation_id,
+            )
+            self.metrics.on_poison(queue)
+            await on_poison(delivery, failures)
+            with contextlib.suppress(Exception):  # channel gone: redelivered and counted again
+                await delivery.reject(requeue=False)
+            return
+        copy = Outgoing(
+            queue,
+            delivery.body,
+            priority=delivery.priority,
+            correlation_id=delivery.correlation_id,
+            reply_to=delivery.reply_to,
+            headers={FAILURES_HEADER: failures},
+        )
+        try:
+            await self.broker.publish(copy)
+        except Exception as exc:  # not counted this time; the original stays unacked
+            log.warning("redelivery count not recorded", queue=queue, error=str(exc))
+            await requeue(delivery)
+            return
+        await ack(delivery)
+
+    async def _control(self, message: AbstractIncomingMessage) -> None:
+        try:
+            ctl = ControlMsg.decode(message.body, self.config.max_message_bytes)
+        except ProtocolError as exc:
+            log.warning("bad control message ignored", reason=exc.message)
+            return
+        if ctl.type != "drain":
+            if self._on_control is not None:
+                self._on_control(ctl)
+        elif not self._drainable:
+            log.info("drain ignored: this service answers all work already accepted")
+        elif not self.draining:
+            self.draining = True
+            self._drain_task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        log.info("draining: intake stopped, finishing held work", service=self.name)
+        for queue, tag in self._consumers:
+            try:
+                await queue.cancel(tag)
+            except Exception as exc:  # the channel is gone: nothing is delivered on it anyway
+                log.warning("cancelling a consumer failed", error=str(exc))
+        if self._on_drain is not None:
+            await self._on_drain()
+        while self._handling or self._tasks or not self._idle():
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.info("drained", service=self.name)
+        self._finished.set()
+
+    # --- publishing -----------------------------------------------------------------------------
+    async def publish(self, out: Outgoing) -> None:
+        await self.broker.publish(out)
+
+    async def publish_control(self, body: bytes) -> None:
+        await self.broker.publish_control(body)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run in the background; ``stop`` and drain wait for it."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def publish_then_ack(
+        self, outs: list[Outgoing], acks: Iterable[AbstractIncomingMessage], what: str
+    ) -> asyncio.Task[None]:
+        """Publish in the background until confirmed, then ack ``acks``. Batches ack in the order
+        they were handed in: an input is never acked before earlier outputs are confirmed.
+        Returns the task (done once ``acks`` are acked)."""
+        previous = self._last_publish
+        task = asyncio.create_task(self._publish_then_ack(outs, list(acks), what, previous))
+        self._last_publish = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _publish_then_ack(
+        self,
+        outs: list[Outgoing],
+        acks: list[AbstractIncomingMessage],
+        what: str,
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        # Outputs that were already computed are retried rather than regenerated; a duplicate
+        # (a confirm lost with the connection) is dropped downstream by request id and position.
+        await self.broker.publish_until_confirmed(outs, what)
+        if previous is not None:
+            await asyncio.wait([previous])
+        for delivery in acks:
+            await ack(delivery)
+
+
+def detok_events(events: list[TokenEvent], sent_at: float, num_shards: int) -> list[Outgoing]:
+    """The events of a step or batch to the detokenizer: one message per shard that has any."""
+    by_shard: dict[str, list[TokenEvent]] = {}
+    for ev in events:
+        by_shard.setdefault(detok_queue_for(ev.request_id, num_shards), []).append(ev)
+    return [
+        Outgoing(queue, DetokMsg(events=evs, sent_at=sent_at).encode())
+        for queue, evs in by_shard.items()
+    ]
+
+
+async def ack(delivery: AbstractIncomingMessage) -> None:
+    try:
+        await delivery.ack()
+    except Exception:  # its channel died: redelivered, then dropped as a duplicate
+        log.debug("ack failed; the broker redelivers", delivery_tag=delivery.delivery_tag)
+
+
+async def requeue(delivery: AbstractIncomingMessage) -> None:
+    with contextlib.suppress(Exception):  # channel gone: the broker requeues it by itself
+        await delivery.nack(requeue=True)

@@ -1,0 +1,3 @@
+from shared.client.cli import main
+
+raise SystemExit(main())

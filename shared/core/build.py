@@ -1,0 +1,39 @@
+"""Building an engine from the configuration: connector first, since it may own the KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.config import BatonConfig
+from shared.core.decode import DecodeEngine
+from shared.core.prefill import PrefillEngine
+from shared.engine.model_runner import ModelRunner
+from shared.kv_transfer import ShmConnector, make_connector
+from shared.kv_transfer.connector import KVConnector
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> PrefillEngine:
+    connector = make_connector(config, role="prefill")
+    runner = ModelRunner(config, model_dir, allocate_kv_cache=connector.allocate_kv_cache)
+    return PrefillEngine(config, runner, connector)
+
+
+def build_decode_engine(config: BatonConfig, model_dir: Path | None = None) -> DecodeEngine:
+    swap = make_swap_connector(config)
+    connector = make_connector(config, role="decode")
+    runner = ModelRunner(config, model_dir, allocate_kv_cache=connector.allocate_kv_cache)
+    return DecodeEngine(config, runner, connector, swap)
+
+
+def make_swap_connector(config: BatonConfig) -> KVConnector | None:
+    """Where decode swaps preempted sequences out: the spill store every decode worker on the
+    node reads (None: ``BATON_DECODE_PREEMPTION=recompute``)."""
+    if config.decode_preemption not in PREEMPTION_MODES:
+        raise ValueError(
+            f"BATON_DECODE_PREEMPTION={config.decode_preemption!r}: one of {PREEMPTION_MODES}"
+        )
+    if config.decode_preemption == "recompute":
+        return None
+    return ShmConnector(config.spill_dir, config.spill_max_bytes, config.spill_orphan_timeout_s)

@@ -1,0 +1,71 @@
+"""The length rules, derived once, and the one stop rule.
+
+``Limits`` is built once per process from :class:`BatonConfig` and the model's
+``max_position_embeddings`` — and, in an engine, from its KV cache's capacity — so the tokenizer,
+prefill and decode apply the same arithmetic instead of four checks against four bounds.
+``max_tokens`` is clamped at admission so that ``check_stop`` needs no length case of its own:
+a sequence that reaches its (clamped) ``max_tokens`` ends with ``length``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shared.config import BatonConfig
+from shared.wire.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int  # longest sequence (prompt + output) this process serves
+    max_prompt_tokens: int  # longest prompt: always leaves room for one output token
+    max_tokens: int  # largest ``max_tokens`` a request may ask for (validation bound)
+
+    @classmethod
+    def build(
+        cls,
+        config: BatonConfig,
+        max_position_embeddings: int,
+        num_cache_tokens: int | None = None,
+    ) -> Limits:
+        bounds = [config.max_model_len, max_position_embeddings]
+        if num_cache_tokens is not None:
+            bounds.append(num_cache_tokens)
+        max_model_len = min(bounds)
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len {max_model_len} leaves no room for a prompt")
+        return cls(
+            max_model_len=max_model_len,
+            max_prompt_tokens=min(config.max_prompt_tokens, max_model_len - 1),
+            max_tokens=config.max_tokens_limit,
+        )
+
+    @classmethod
+    def for_model_dir(cls, config: BatonConfig, model_dir: Path) -> Limits:
+        """For processes without the model loaded (the tokenizer): reads ``config.json`` only."""
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        return cls.build(config, int(raw.get("max_position_embeddings", config.max_model_len)))
+
+    def fits(self, num_tokens: int) -> bool:
+        """Can a sequence of ``num_tokens`` still produce a token here?"""
+        return num_tokens < self.max_model_len
+
+    def clamp(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """``max_tokens`` cut to what fits after the prompt (at least 1)."""
+        room = max(1, self.max_model_len - num_prompt_tokens)
+        if sampling.max_tokens <= room:
+            return sampling
+        return replace(sampling, max_tokens=room)
+
+
+def check_stop(
+    token_id: int, num_output_tokens: int, sampling: SamplingParams, eos_token_ids: frozenset[int]
+) -> str | None:
+    """The finish reason after ``token_id`` became output token number ``num_output_tokens``."""
+    if token_id in eos_token_ids and not sampling.ignore_eos:
+        return "stop"
+    if num_output_tokens >= sampling.max_tokens:
+        return "length"
+    return None

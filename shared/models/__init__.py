@@ -1,0 +1,1 @@
+"""Model fixtures Baton builds itself (nothing is downloaded)."""

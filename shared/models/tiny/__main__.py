@@ -1,0 +1,3 @@
+from shared.models.tiny.builder import main
+
+main()

@@ -1,0 +1,1 @@
+"""Logging, Prometheus metrics and the per-service health/metrics endpoint."""

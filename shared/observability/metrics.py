@@ -1,0 +1,359 @@
+"""Prometheus metrics: one :class:`Metrics` per process, on its own registry.
+
+Names follow vLLM's (``vllm:time_to_first_token_seconds`` -> ``baton:time_to_first_token_seconds``)
+where vLLM has one, so existing dashboards carry over by swapping the prefix. Every service
+defines the full set and updates the ones it owns; the rest stay at zero. Each service is its own
+scrape target, told apart by Prometheus' ``job``/``instance`` labels, so no metric carries a
+service label. Typical owners: the detokenizer observes the per-request latencies from the
+``done`` timing and the outcomes; the tokenizer prompt tokens; prefill its batches, prefix cache,
+first tokens and handoff writes; decode the running batch, KV blocks, preemptions, handoff reads
+and generated tokens; every consumer its redelivered messages; prefill and decode the spill
+store's size and, on a CUDA device, ``baton:gpu_memory_*`` (:meth:`Metrics.watch_device`).
+
+Label values are closed sets (queue names, error codes, finish reasons, transports, preemption
+modes): never a request id or anything else unbounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "baton:"
+
+# Buckets span both a GPU (sub-millisecond handoffs, ~2-10 ms per output token) and the CPU
+# tiny model or a loaded system (tens of ms per token, seconds to minutes end to end).
+REQUEST_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0,
+)  # fmt: skip
+# Per token / per forward: finer steps where TPOT usually lives (2-100 ms).
+STEP_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
+    0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+HANDOFF_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+UTILIZATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+TOKEN_COUNT_BUCKETS = (
+    1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+)  # fmt: skip
+
+
+class Metrics:
+    """Every Baton metric, registered on ``self.registry`` (never on the global registry).
+
+    Attributes are plain prometheus-client objects: ``metrics.generation_tokens.inc(n)``,
+    ``metrics.request_errors.labels(code="timeout").inc()``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+
+        def histogram(
+            name: str, doc: str, buckets: Sequence[float], labels: Iterable[str] = ()
+        ) -> Histogram:
+            return Histogram(PREFIX + name, doc, tuple(labels), registry=r, buckets=buckets)
+
+        def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, tuple(labels), registry=r)
+
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+            # prometheus-client appends _total itself; pass the name without it.
+            return Counter(PREFIX + name.removesuffix("_total"), doc, tuple(labels), registry=r)
+
+        self.service_info = Info(
+            PREFIX + "service", "Service identity and settings (constant 1).", registry=r
+        )
+
+        # --- per-request latency (vLLM names) --------------------------------------------------
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Time from arrival on baton.requests to the first generated token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            STEP_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
+            "Time from arrival to the terminal reply.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited before its prefill started.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+
+        # --- outcomes and throughput -----------------------------------------------------------
+        self.request_success = counter(
+            "request_success_total", "Requests finished, by finish reason.", ["finish_reason"]
+        )
+        self.request_errors = counter(
+            "request_errors_total", "Requests answered with an error, by error code.", ["code"]
+        )
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.redelivered_messages = counter(
+            "redelivered_messages_total",
+            "Messages received with the broker's redelivered flag (a consumer died holding them).",
+            ["queue"],
+        )
+
+        self.poison_messages = counter(
+            "poison_messages_total",
+            "Work messages dead-lettered after max_delivery_failures failed deliveries.",
+            ["queue"],
+        )
+        self.detok_held_messages = gauge(
+            "detok_held_messages",
+            "Detokenizer inputs held unacked until their requests are answered (replayed by the "
+            "next consumer of the shard if this replica dies).",
+        )
+        self.detok_active_requests = gauge(
+            "detok_active_requests", "Requests this detokenizer replica is answering."
+        )
+
+        # --- scheduler state ------------------------------------------------------------------
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Sequences admitted but waiting for KV blocks or a slot."
+        )
+        self.queue_depth = gauge(
+            "queue_depth", "Ready messages in a broker queue, as last polled.", ["queue"]
+        )
+        self.num_preemptions = counter(
+            "num_preemptions_total",
+            "Sequences preempted, by mode (swap: decode copies the victim's KV to the spill "
+            "store and hands it to baton.decode, any worker resumes it; recompute: decode frees "
+            "the victim's KV and rebuilds it when the sequence resumes).",
+            ["mode"],
+        )
+        self.num_swap_ins = counter(
+            "num_swap_ins_total",
+            "Sequences resumed here from KV another (or this) decode worker swapped out.",
+        )
+
+        # --- scheduling policy (shared/scheduling/policy.py; its inputs not already above:
+        # queue_depth, num_requests_*, kv_blocks_free, spill_store_bytes) ---------------------
+        self.admission_decisions = counter(
+            "admission_decisions_total",
+            "Tokenizer admission decisions: admitted, or overloaded (a backlog at its limit).",
+            ["decision"],
+        )
+        self.request_deadlines = counter(
+            "request_deadlines_total",
+            "Deadlines given to accepted requests, by source: default (by length), client (its "
+            "timeout_s was shorter), none (no default and no timeout_s).",
+            ["source"],
+        )
+        self.request_deadline_seconds = histogram(
+            "request_deadline_seconds",
+            "Deadline given to an accepted request, in seconds after its arrival.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.consumer_prefetch = gauge(
+            "consumer_prefetch",
+            "Messages this service's work consumer may hold unacked (its AMQP prefetch).",
+        )
+        self.prefetch_updates = counter(
+            "prefetch_updates_total",
+            "Prefetch changes sent to the broker (basic.qos, only when the value changes).",
+        )
+        self.release_seconds = gauge(
+            "release_seconds",
+            "Mean time from a step's end until its inputs are acked (its outputs confirmed "
+            "first): how long a finished batch holds its prefetch slots.",
+        )
+        self.prefill_batches_ahead = gauge(
+            "prefill_batches_ahead",
+            "Prefill: batches held beyond the one in the forward (release time / forward time).",
+        )
+        self.prefill_intake_pressure = gauge(
+            "prefill_intake_pressure",
+            "Prefill: the larger of decode backlog / its pause limit and spill-store bytes / its "
+            "pause limit (from 0.5 the intake shrinks; at 1 it pauses).",
+        )
+        self.prefill_intake_state = gauge(
+            "prefill_intake_state",
+            "Prefill intake: 1 for the current state (open, slowed, paused), else 0.",
+            ["state"],
+        )
+        self.published_priority = counter(
+            "published_priority_total",
+            "Work messages published, by queue and AMQP priority (the effective priority then).",
+            ["queue", "priority"],
+        )
+        self.priority_boosts = counter(
+            "priority_boosts_total",
+            "Work messages published above their client priority, by reason (short_prompt: "
+            "tokenizer, under a deep prefill backlog; aging: prefill, for time waited).",
+            ["reason"],
+        )
+        self.priority_aging_horizon = gauge(
+            "priority_aging_horizon_seconds",
+            "Wait after which a priority-0 request ranks with a fresh priority-9 one here.",
+        )
+        self.priority_median_wait = gauge(
+            "priority_median_wait_seconds",
+            "Median wait (since arrival) of the requests this worker recently started.",
+        )
+        self.short_prompt_boost_active = gauge(
+            "short_prompt_boost_active",
+            "1 while the prefill backlog is deep enough that short prompts are boosted.",
+        )
+
+        # --- batching -------------------------------------------------------------------------
+        self.batch_size = histogram(
+            "batch_size",
+            "Sequences per forward (prefill batch or decode step).",
+            BATCH_SIZE_BUCKETS,
+        )
+        self.batch_token_utilization = histogram(
+            "batch_token_utilization",
+            "Tokens in a forward / the token budget (max_num_batched_tokens or max_num_seqs).",
+            UTILIZATION_BUCKETS,
+        )
+        self.forward_seconds = histogram(
+            "forward_seconds", "Wall time of one model forward.", STEP_LATENCY_BUCKETS
+        )
+        self.memory_bandwidth_bytes_per_second = gauge(
+            "memory_bandwidth_bytes_per_second",
+            "Estimated bytes read per decode step (weights + KV) / step time; divide by the "
+            "device's peak for bandwidth utilization.",
+        )
+
+        # --- KV cache -------------------------------------------------------------------------
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1, vLLM's unit)."
+        )
+        self.kv_blocks_used = gauge("kv_blocks_used", "KV blocks referenced by a sequence.")
+        self.kv_blocks_free = gauge(
+            "kv_blocks_free", "KV blocks allocatable (free or cached but unreferenced)."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."
+        )
+        self.spill_store_bytes = gauge(
+            "spill_store_bytes",
+            "Bytes held in the shared-memory spill store (the shm KV transport), as last polled.",
+        )
+
+        # --- prefill -> decode handoff --------------------------------------------------------
+        self.handoff_bytes = counter(
+            "handoff_bytes_total", "KV bytes moved between prefill and decode.", ["transport"]
+        )
+        self.handoff_seconds = histogram(
+            "handoff_seconds",
+            "Time to write (prefill) or read (decode) one request's KV through a transport.",
+            HANDOFF_LATENCY_BUCKETS,
+            ["transport"],
+        )
+        self.kv_blocks_pinned = gauge(
+            "kv_blocks_pinned",
+            "Sender: KV blocks pinned for receivers of a pooled transport (pool, cuda-ipc).",
+        )
+        self.kv_leases_expired = counter(
+            "kv_leases_expired_total",
+            "Sender: pinned handoffs freed by lease expiry (the receiver never released them).",
+        )
+        self.kv_map_failures = counter(
+            "kv_map_failures_total",
+            "Receiver: handoffs whose sender pool could not be mapped; recomputed instead.",
+        )
+        self.kv_stale_loads = counter(
+            "kv_stale_loads_total",
+            "Receiver: handoffs refused because their KV might no longer be valid; recomputed.",
+        )
+        self.kv_handoff_fallbacks = counter(
+            "kv_handoff_fallbacks_total",
+            "Handoffs that went through the spill store because the configured transport cannot "
+            "work here (only with BATON_KV_FALLBACK=spill).",
+        )
+
+    def set_kv_blocks(self, num_used_blocks: int, num_free_blocks: int) -> None:
+        """Set the three KV gauges from one reading, so they never disagree."""
+        self.kv_blocks_used.set(num_used_blocks)
+        self.kv_blocks_free.set(num_free_blocks)
+        total = num_used_blocks + num_free_blocks
+        self.kv_cache_usage_perc.set(num_used_blocks / total if total else 0.0)
+
+    def set_queue_depths(self, depths: Mapping[str, int]) -> None:
+        for queue, depth in depths.items():
+            self.queue_depth.labels(queue=queue).set(depth)
+
+    def watch_device(self, device: str) -> None:
+        """Export GPU memory (and utilization, where NVML is available) for a CUDA device.
+
+        Read at scrape time, so the numbers are current and cost nothing between scrapes.
+        A CPU device exports nothing: host memory belongs to node-level exporters.
+        """
+        if device.startswith("cuda"):
+            self.registry.register(_CudaCollector(device))
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format (version 0.0.4)."""
+        return generate_latest(self.registry)
+
+
+class _CudaCollector(Collector):
+    def __init__(self, device: str) -> None:
+        import torch  # only services that run on a GPU pay for the import here
+
+        self._torch = torch
+        self._device = torch.device(device)
+
+    def describe(self) -> list:
+        # Reserve no names: register() must not touch the device, and the gpu_ names cannot
+        # collide with the Metrics attributes.
+        return []
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        cuda = self._torch.cuda
+        index = str(self._device.index if self._device.index is not None else cuda.current_device())
+        free, total = cuda.mem_get_info(self._device)
+        readings = [
+            ("gpu_memory_allocated_bytes", "Bytes held by live tensors.",
+             cuda.memory_allocated(self._device)),
+            ("gpu_memory_reserved_bytes", "Bytes held by the caching allocator.",
+             cuda.memory_reserved(self._device)),
+            ("gpu_memory_used_perc", "Device memory in use by any process (0..1).",
+             (total - free) / total),
+        ]  # fmt: skip
+        try:
+            readings.append(
+                ("gpu_utilization_perc", "Kernel-busy fraction of the last NVML sample (0..1).",
+                 cuda.utilization(self._device) / 100.0)
+            )  # fmt: skip
+        except Exception:  # NVML (pynvml) missing or unsupported: leave it to DCGM's exporter
+            pass
+        for name, doc, value in readings:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["gpu"])
+            family.add_metric([index], float(value))
+            yield family

@@ -1,0 +1,1 @@
+"""The wire contract: message types, error codes, request validation, queue names."""

@@ -1,0 +1,402 @@
+"""The wire contract: one dataclass per message, msgpack encode/decode, explicit size limits.
+
+Client-facing shapes (``RequestMsg`` in, ``TokenReply`` / ``DoneReply`` / ``ErrorReply`` out) follow
+the fixed contract in DESIGN.md exactly. Internal messages (tokenizer → prefill → decode → detok)
+carry ``v`` = :data:`SCHEMA_VERSION`; a consumer refuses a version it does not know instead of
+guessing. Nothing here trusts a body: :func:`unpack` bounds sizes before msgpack allocates, and
+:func:`parse_request` turns every malformed request into a :class:`ProtocolError` whose ``code``
+is one of the contract's error codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from shared.wire.errors import ErrorCode, ProtocolError
+from shared.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from shared.wire.typecheck import first_mismatch
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ErrorCode",
+    "ProtocolError",
+    "unpack",
+    "pack",
+    "SamplingParams",
+    "RequestMsg",
+    "PrefillMsg",
+    "KVDescriptor",
+    "KVRelease",
+    "KVReleaseMsg",
+    "HandoffMsg",
+    "StartInfo",
+    "TokenEvent",
+    "DetokMsg",
+    "ControlMsg",
+    "TokenReply",
+    "DoneReply",
+    "ErrorReply",
+    "Reply",
+    "decode_reply",
+]
+
+# 2: KVDescriptor became an opaque, versioned per-transport payload.
+SCHEMA_VERSION = 2
+MAX_REQUEST_ID_CHARS = 256
+MAX_PRIORITY = 9
+# Largest single array/map/str msgpack may allocate, whatever the body length claims.
+_MAX_CONTAINER = 1 << 20
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(body: bytes, max_bytes: int) -> Any:
+    """Unpack an untrusted body: the size is checked before parsing, containers are capped."""
+    if len(body) > max_bytes:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, f"message of {len(body)} bytes exceeds {max_bytes}"
+        )
+    try:
+        return msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=max_bytes,
+            max_bin_len=max_bytes,
+            max_array_len=_MAX_CONTAINER,
+            max_map_len=_MAX_CONTAINER,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types on hostile input
+        why = str(exc) or type(exc).__name__
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, f"body is not valid msgpack ({why})"
+        ) from None
+
+
+def _check_version(d: dict[str, Any], kind: str) -> None:
+    v = d.get("v")
+    if type(v) is not int or v != SCHEMA_VERSION:  # True == 1 and 1.0 == 1: not versions
+        raise ProtocolError(
+            ErrorCode.INTERNAL, f"{kind}: schema version {v!r}, this build speaks {SCHEMA_VERSION}"
+        )
+
+
+def _map(obj: Any, kind: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} must be a map")
+    return obj
+
+
+# The parsing of client requests (field by field, with limits) lives in shared/wire/validation.py;
+# RequestMsg is the validated result.
+@dataclass(frozen=True)
+class RequestMsg:
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = True
+    priority: int = 0
+    timeout_s: float | None = None
+
+    def encode(self) -> bytes:
+        """Client side: the contract's request map."""
+        body: dict[str, Any] = {"request_id": self.request_id}
+        if self.prompt is not None:
+            body["prompt"] = self.prompt
+        if self.messages is not None:
+            body["messages"] = [{"role": r, "content": c} for r, c in self.messages]
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = list(self.prompt_token_ids)
+        s = self.sampling
+        body.update(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+            stop=list(self.stop),
+            stream=self.stream,
+            priority=self.priority,
+            timeout_s=self.timeout_s,
+        )
+        return pack(body)
+
+
+@dataclass
+class _Internal:
+    KIND: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        d = asdict(self)
+        d["v"] = SCHEMA_VERSION
+        d["kind"] = self.KIND
+        return pack(d)
+
+    @classmethod
+    def from_map(cls, d: dict[str, Any]) -> Any:
+        return cls(**d)
+
+    @classmethod
+    def decode(cls, body: bytes, max_bytes: int) -> Any:
+        d = _map(unpack(body, max_bytes), cls.KIND)
+        _check_version(d, cls.KIND)
+        if d.pop("kind", None) != cls.KIND:
+            raise ProtocolError(ErrorCode.INTERNAL, f"expected a {cls.KIND} message")
+        d.pop("v")
+        try:
+            msg = cls.from_map(d)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"malformed {cls.KIND} message: {exc}"
+            ) from None
+        bad = first_mismatch(msg)
+        if bad is not None:
+            raise ProtocolError(ErrorCode.INTERNAL, f"malformed {cls.KIND} message: field {bad}")
+        return msg
+
+
+@dataclass
+class PrefillMsg(_Internal):
+    """tokenizer → prefill: a validated, tokenized request."""
+
+    KIND: ClassVar[str] = "prefill"
+    request_id: str
+    reply_to: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = True
+    priority: int = 0
+    arrival_time: float = 0.0  # wall clock (time.time()) when the tokenizer received it
+    deadline: float | None = None  # wall clock; None = no timeout
+
+    @classmethod
+    def from_map(cls, d: dict[str, Any]) -> PrefillMsg:
+        d["sampling"] = SamplingParams.from_dict(d["sampling"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class KVDescriptor:
+    """Where a request's KV waits for decode. Only this travels through the broker.
+
+    ``payload`` belongs to the transport named by ``transport`` and is read by nothing else;
+    ``version`` is that transport's payload version, so a receiver refuses a layout it does not
+    know instead of reading wrong KV. ``num_tokens`` is how many leading positions it holds.
+    """
+
+    transport: str  # "shm" | "pool" | "cuda-ipc"
+    version: int
+    num_tokens: int
+    nbytes: int
+    payload: dict[str, Any]
+
+    @classmethod
+    def from_map(cls, d: dict[str, Any]) -> KVDescriptor:
+        if not isinstance(d, dict) or not isinstance(d.get("payload"), dict):
+            raise ValueError("kv must be a map with a map payload")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class KVRelease:
+    """Receiver → sender: the receiver is done with the sender's copy of a request's KV (loaded
+    or discarded), so a transport that pinned blocks for it may free them. ``sender_id`` names the
+    sending worker (its release queue); ``payload`` is the transport's, as in KVDescriptor."""
+
+    transport: str
+    sender_id: str
+    request_id: str
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HandoffMsg(_Internal):
+    """prefill → decode: a prefilled sequence and the descriptor of its KV."""
+
+    KIND: ClassVar[str] = "handoff"
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    kv: KVDescriptor | None  # None: decode recomputes the prompt (e.g. the store was full)
+    priority: int = 0
+    arrival_time: float = 0.0
+    deadline: float | None = None
+
+    @classmethod
+    def from_map(cls, d: dict[str, Any]) -> HandoffMsg:
+        d["sampling"] = SamplingParams.from_dict(d["sampling"])
+        if d.get("kv") is not None:
+            d["kv"] = KVDescriptor.from_map(d["kv"])
+        return cls(**d)
+
+
+@dataclass
+class StartInfo:
+    """What the detokenizer needs to answer a request. The tokenizer publishes it (confirmed)
+    before the request goes to prefill, so the detokenizer knows every accepted request — it
+    enforces deadlines and answers cancels even for requests still queued upstream."""
+
+    request_id: str
+    reply_to: str
+    num_prompt_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stream: bool = True
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request at output positions [index, index + len(token_ids))."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "timeout"
+    error_code: str | None = None  # set on a terminal error (no done reply then)
+    error_message: str | None = None
+    scheduled_at: float | None = None  # wall clock when prefill started it (index-0 events)
+
+
+@dataclass
+class DetokMsg(_Internal):
+    """→ detokenizer: one message per batch or step, every sequence in it (starts come from the
+    tokenizer, token events from prefill and decode)."""
+
+    KIND: ClassVar[str] = "detok"
+    starts: list[StartInfo] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    sent_at: float = 0.0
+
+    @classmethod
+    def from_map(cls, d: dict[str, Any]) -> DetokMsg:
+        return cls(
+            starts=[StartInfo(**s) for s in d.get("starts", [])],
+            events=[TokenEvent(**e) for e in d.get("events", [])],
+            sent_at=d.get("sent_at", 0.0),
+        )
+
+
+@dataclass
+class KVReleaseMsg(_Internal):
+    """decode → one prefill worker (its queue ``kv_release_queue(sender_id)``): the KV of these
+    requests was loaded or dropped, so the sender may free the blocks it pinned for them. Losing
+    one is safe: the sender's lease frees them later."""
+
+    KIND: ClassVar[str] = "kv_release"
+    releases: list[KVRelease] = field(default_factory=list)
+
+    @classmethod
+    def from_map(cls, d: dict[str, Any]) -> KVReleaseMsg:
+        releases = [KVRelease(**r) for r in d.get("releases", [])]
+        if not all(isinstance(r.payload, dict) for r in releases):
+            raise ValueError("kv_release: payload must be a map")
+        return cls(releases=releases)
+
+
+CONTROL_TYPES = ("cancel", "abort", "drain")
+
+
+@dataclass(frozen=True)
+class ControlMsg:
+    """On the fanout exchange ``baton.control``. ``cancel`` is the client's (contract);
+    ``abort`` is internal (the detokenizer finished a request early, e.g. on a stop string, and
+    tells the workers to drop it silently); ``drain`` asks workers to stop taking new work."""
+
+    type: str
+    request_id: str | None = None
+
+    def encode(self) -> bytes:
+        d: dict[str, Any] = {"type": self.type}
+        if self.request_id is not None:
+            d["request_id"] = self.request_id
+        return pack(d)
+
+    @classmethod
+    def decode(cls, body: bytes, max_bytes: int) -> ControlMsg:
+        d = _map(unpack(body, max_bytes), "control message")
+        kind, rid = d.get("type"), d.get("request_id")
+        if kind not in CONTROL_TYPES:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"unknown control type {kind!r}")
+        if kind != "drain" and not isinstance(rid, str):
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} needs a string request_id")
+        return cls(type=kind, request_id=rid if isinstance(rid, str) else None)
+
+
+# --- replies (client contract) --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenReply:
+    """``index``: output position of ``token_ids[0]``. ``text_offset`` (an addition to the
+    contract that old clients may ignore): characters of the completion before ``text``. The
+    two are the reply's idempotency key: a reply re-sent after a crash or a lost confirm carries
+    the same positions and offsets, so a client keeps only what extends what it has."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    index: int
+    text_offset: int | None = None  # None: from a server that predates it
+    type: str = "token"
+
+    def encode(self) -> bytes:
+        d = asdict(self)
+        if self.text_offset is None:
+            del d["text_offset"]
+        return pack(d)
+
+
+@dataclass(frozen=True)
+class DoneReply:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict[str, int]
+    timing: dict[str, float | None]
+    type: str = "done"
+
+    def encode(self) -> bytes:
+        return pack(asdict(self))
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    request_id: str
+    code: str
+    message: str
+    type: str = "error"
+
+    def encode(self) -> bytes:
+        return pack(asdict(self))
+
+
+Reply = TokenReply | DoneReply | ErrorReply
+_REPLY_TYPES: dict[str, Any] = {"token": TokenReply, "done": DoneReply, "error": ErrorReply}
+
+
+def decode_reply(body: bytes, max_bytes: int) -> Reply:
+    """A reply, unpacked within ``max_bytes`` (every reader names its bound)."""
+    d = _map(unpack(body, max_bytes), "reply")
+    kind = d.get("type")
+    cls = _REPLY_TYPES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
+    if cls is None:
+        raise ProtocolError(ErrorCode.INTERNAL, f"unknown reply type {d.get('type')!r}")
+    try:
+        return cls(**d)  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise ProtocolError(ErrorCode.INTERNAL, f"malformed {d['type']} reply: {exc}") from None

@@ -1,0 +1,37 @@
+"""Fixtures of the detokenizer tests: the real tiny tokenizer, a harness around the core."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from services.detokenizer.service import make_decoder
+from services.shell.common import resolve_model_dir
+from shared.config import BatonConfig
+from tests.detokenizer.helpers import MULTIBYTE, Decode, Harness
+
+
+@pytest.fixture(scope="module")
+def decode() -> Decode:
+    return make_decoder(resolve_model_dir(BatonConfig()))  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def encode() -> Callable[[str], list[int]]:
+    tok = Tokenizer.from_file(str(resolve_model_dir(BatonConfig()) / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+@pytest.fixture
+def h(decode: Decode) -> Harness:
+    return Harness(decode)
+
+
+@pytest.fixture
+def ids(encode: Any) -> list[int]:
+    ids = encode(MULTIBYTE)
+    assert len(ids) >= 12  # the tests below slice it
+    return ids  # type: ignore[no-any-return]

@@ -1,0 +1,149 @@
+"""The pooled KV transport (``BATON_KV_TRANSPORT=pool``) when a worker dies mid-handoff.
+
+Decode runs at most 8 sequences (``BATON_MAX_NUM_SEQS``), so of 32 requests 24 wait in decode
+with their KV still pinned in prefill's pool: each test kills one side while they wait.
+
+- Prefill dies: its pool's owner is gone, so decode never reads those blocks (the mapping is
+  refused, ``kv_map_failures_total``) and recomputes them; a new prefill starts and serves.
+- Decode dies: nobody will release the pins, so prefill's lease frees them
+  (``kv_leases_expired_total``, ``kv_blocks_pinned`` back to 0 within the lease); a new decode
+  gets the handoffs redelivered, refuses their expired KV and recomputes.
+
+Either way every request gets exactly one terminal reply whose tokens equal an undisturbed
+run's (greedy: the model's argmax), and no KV block is left in use anywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.launcher import ServiceProcesses
+from shared.wire.messages import DoneReply, RequestMsg, SamplingParams
+from tests.fault.harness import ReplyLog, poll_metric, scrape, service_processes
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NUM_REQUESTS = 32
+# Long enough that decode's first wave (8 sequences) cannot finish between the moment the other
+# 24 are seen pinned and the kill: had it, some of them would be loaded from the live pool
+# before the kill and never meet the dead one (CI saw 14 of 24 refused at 200 tokens).
+MAX_TOKENS = 600
+DECODE_BATCH = 8
+POOL_ENV = {"BATON_KV_TRANSPORT": "pool", "BATON_MAX_NUM_SEQS": str(DECODE_BATCH)}
+PINNED = "baton:kv_blocks_pinned"
+USED = "baton:kv_blocks_used"
+EXPIRED = "baton:kv_leases_expired_total"
+
+
+def batch(tag: str) -> list[RequestMsg]:
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)  # greedy
+    return [
+        RequestMsg(f"{tag}-{i}", sampling, prompt=f"request number {i} tells a long story")
+        for i in range(NUM_REQUESTS)
+    ]
+
+
+async def reference_run(log: ReplyLog) -> list[list[int]]:
+    """The undisturbed tokens of ``batch``, on the same system."""
+    ids = await log.send(batch("reference"))
+    await log.wait(ids, 120)
+    return [done_tokens(log, rid) for rid in ids]
+
+
+def done_tokens(log: ReplyLog, request_id: str) -> list[int]:
+    """The request's one terminal reply: done, full length, streamed tokens matching it."""
+    terminals = log.terminals(request_id)
+    assert len(terminals) == 1, (request_id, terminals)
+    done = terminals[0]
+    assert isinstance(done, DoneReply) and done.finish_reason == "length", done
+    assert len(done.token_ids) == MAX_TOKENS
+    streamed = [t for r in log.replies[request_id] if r.type == "token" for t in r.token_ids]
+    assert streamed == done.token_ids, request_id  # each position once, in order
+    return done.token_ids
+
+
+async def kill_with_handoffs_pinned(procs: ServiceProcesses, log: ReplyLog, name: str) -> list[str]:
+    """Send the batch; once decode generates its first sequences (the rest wait there, pinned
+    in prefill's pool), SIGKILL ``name``. Returns the request ids."""
+    ids = await log.send(batch(f"{name}-killed"))
+    waiting = NUM_REQUESTS - DECODE_BATCH  # at least a block each
+    port = procs.metrics_port("prefill")
+    await poll_metric(port, PINNED, lambda v: v >= waiting, timeout_s=60, every_s=0.01)
+    await log.wait_streaming(ids, min_tokens=2, timeout_s=10)
+    assert scrape(port)[PINNED] >= waiting, "the handoffs were not waiting, pinned"
+    assert max(log.num_streamed(rid) for rid in ids) < MAX_TOKENS, "raise MAX_TOKENS"
+    procs.kill(name)
+    return ids
+
+
+async def assert_no_block_in_use(procs: ServiceProcesses) -> None:
+    prefill, decode = procs.metrics_port("prefill"), procs.metrics_port("decode")
+    await poll_metric(prefill, PINNED, lambda v: v == 0, timeout_s=10)
+    await poll_metric(prefill, USED, lambda v: v == 0, timeout_s=5)
+    await poll_metric(decode, USED, lambda v: v == 0, timeout_s=5)
+
+
+async def test_prefill_killed_with_handoffs_pinned_loses_nothing() -> None:
+    # A lease longer than the test: on a slow machine the last wave waits in decode past the
+    # default 30 s, and a handoff refused for its lease (``kv_stale_loads``) would not exercise
+    # the dead-pool path this test is about.
+    env = {**POOL_ENV, "BATON_KV_LEASE_S": "600"}
+    with service_processes(env, metrics=True) as procs:
+        await procs.wait_ready()
+        async with ReplyLog(procs.amqp_url) as log:
+            reference = await reference_run(log)
+            ids = await kill_with_handoffs_pinned(procs, log, "prefill")
+            procs.start("prefill")  # a new pool (new worker id and generation)
+            await log.wait(ids, 120)
+            after = await log.send(
+                [RequestMsg("after", SamplingParams(max_tokens=8), prompt="after")]
+            )
+            await log.wait(after, 60)  # the new prefill serves
+            await assert_no_block_in_use(procs)
+            decode = scrape(procs.metrics_port("decode"))
+            prefill = scrape(procs.metrics_port("prefill"))
+        text = procs.tail(2000)
+
+    for rid, ref in zip(ids, reference, strict=True):
+        assert done_tokens(log, rid) == ref, rid
+    assert log.terminals("after")[0].type == "done"
+    # The handoffs pinned in the dead pool were never read: refused and recomputed by decode.
+    assert decode["baton:kv_map_failures_total"] >= NUM_REQUESTS - DECODE_BATCH
+    assert decode.get("baton:kv_stale_loads_total", 0) == 0
+    assert "kv pool cannot be mapped; recomputing" in text
+    assert prefill["baton:handoff_bytes_total{transport=pool}"] > 0  # the new prefill's sends
+    assert decode.get("baton:handoff_bytes_total{transport=shm}", 0) == 0
+
+
+async def test_decode_killed_holding_handoffs_the_lease_frees_them() -> None:
+    lease_s = 3.0
+    env = {**POOL_ENV, "BATON_KV_LEASE_S": str(lease_s)}
+    with service_processes(env, metrics=True) as procs:
+        prefill_port = procs.metrics_port("prefill")
+        await procs.wait_ready()
+        async with ReplyLog(procs.amqp_url) as log:
+            reference = await reference_run(log)
+            await poll_metric(prefill_port, PINNED, lambda v: v == 0, timeout_s=lease_s + 2)
+            expired_before = scrape(prefill_port)[EXPIRED]
+            ids = await kill_with_handoffs_pinned(procs, log, "decode")
+            # Nobody will release those pins: the lease (counted from each send, which came
+            # before the kill) frees them, and prefill's blocks go back.
+            _, waited = await poll_metric(prefill_port, PINNED, lambda v: v == 0, lease_s + 5)
+            assert waited <= lease_s + 2.0, waited  # the sweep runs each step; CI may be slow
+            prefill = scrape(prefill_port)
+            assert prefill[EXPIRED] - expired_before >= NUM_REQUESTS - DECODE_BATCH
+            assert prefill[USED] == 0
+            assert prefill["baton:handoff_bytes_total{transport=pool}"] > 0
+            assert prefill.get("baton:handoff_bytes_total{transport=shm}", 0) == 0
+            procs.start("decode")  # the unacked handoffs are redelivered to it
+            await log.wait(ids, 120)
+            await assert_no_block_in_use(procs)
+            decode = scrape(procs.metrics_port("decode"))
+
+    for rid, ref in zip(ids, reference, strict=True):
+        assert done_tokens(log, rid) == ref, rid
+    # The new decode refused the expired descriptors (their blocks may be reused) and
+    # recomputed; it never mapped a dead pool, and nothing went through the spill store.
+    assert decode["baton:kv_stale_loads_total"] >= NUM_REQUESTS - DECODE_BATCH
+    assert decode.get("baton:kv_map_failures_total", 0) == 0
+    assert decode.get("baton:handoff_bytes_total{transport=shm}", 0) == 0

@@ -1,0 +1,137 @@
+"""The gateway over the real system (four services, RabbitMQ), driven by the official openai client.
+
+Requests are short (a few greedy tokens on the tiny model) so the whole module stays within a few
+seconds once the system is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from structlog.testing import capture_logs
+
+from services.shell.registry import port_offset
+from shared.client import BatonClient
+from shared.observability.http_server import read_metrics
+from shared.wire.messages import DoneReply
+from tests.gateway.conftest import API_KEY, Live
+
+pytestmark = pytest.mark.integration
+
+MODEL = "baton-tiny"
+PROMPT_IDS = [11, 12, 13, 14, 15]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+def _openai(url: str, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+async def test_completion_equals_the_queue_and_the_stream_adds_up(live: Live) -> None:
+    client = _openai(live.url)
+    out = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, **GREEDY)
+    text = out.choices[0].text
+    assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        5, 8, 13,
+    )  # fmt: skip
+    async with await BatonClient.connect(live.system.amqp_url) as direct:
+        same = await direct.generate(
+            prompt_token_ids=PROMPT_IDS, max_tokens=8, ignore_eos=True, wait_s=60
+        )
+    assert isinstance(same, DoneReply) and same.text == text  # the gateway adds nothing
+
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPT_IDS, stream=True, stream_options={"include_usage": True},
+        **GREEDY,
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+
+
+async def test_chat_streamed_and_not_agree(live: Live) -> None:
+    client = _openai(live.url)
+    out = await client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    message = out.choices[0].message
+    assert out.object == "chat.completion" and message.role == "assistant"
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 5  # the template's
+    stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **GREEDY)
+    chunks = [c async for c in stream]
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_models_health_metrics(live: Live) -> None:
+    models = await _openai(live.url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with httpx.AsyncClient(base_url=live.url) as http:
+        assert (await http.get("/health")).status_code == 200
+        text = (await http.get("/metrics")).text
+    assert 'baton:http_requests_total{route="/v1/models",status="200"}' in text
+
+
+async def test_errors_from_baton(live: Live) -> None:
+    client = _openai(live.url)
+    with pytest.raises(openai.BadRequestError) as bad:  # the tokenizer's range check
+        await client.completions.create(model=MODEL, prompt="x", top_p=1.5)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "top_p"  # type: ignore[index]
+    too_long = [1] * (live.gateway.config.max_prompt_tokens + 1)
+    with pytest.raises(openai.BadRequestError) as long:
+        await client.completions.create(model=MODEL, prompt=too_long, max_tokens=1)
+    assert long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.APIStatusError) as late:
+        await client.completions.create(
+            model=MODEL, prompt="x", max_tokens=64, extra_body={"timeout_s": 0.001}
+        )
+    assert late.value.status_code == 504 and late.value.code == "timeout"
+    for extra in ({"n": 2}, {"logprobs": 1}):
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt="x", **extra)  # type: ignore[arg-type]
+
+
+async def test_overloaded_is_503_with_retry_after(live: Live) -> None:
+    with pytest.raises(openai.APIStatusError) as full:
+        await _openai(live.overloaded_url).completions.create(model=MODEL, prompt="x")
+    assert full.value.status_code == 503 and full.value.code == "overloaded"
+    assert full.value.response.headers["retry-after"] == "1"
+
+
+async def test_api_key(live: Live) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        await _openai(live.keyed_url, "wrong").completions.create(model=MODEL, prompt="x")
+    out = await _openai(live.keyed_url, API_KEY).completions.create(
+        model=MODEL, prompt="x", max_tokens=2, temperature=0
+    )
+    assert out.usage.completion_tokens >= 1
+
+
+async def test_client_disconnect_cancels_in_baton(live: Live) -> None:
+    detok_port = live.metrics_port + port_offset("detokenizer")
+    key = "baton:request_success_total{finish_reason=cancelled}"
+    before = read_metrics(detok_port).get(key, 0.0)
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 2000, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with capture_logs() as logs:
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                rid = r.headers["x-request-id"]
+                async for _ in r.aiter_bytes():
+                    break  # the first tokens, then hang up
+        for _ in range(100):  # the detokenizer answers the cancel with a "cancelled" done
+            if read_metrics(detok_port).get(key, 0.0) > before:
+                break
+            await asyncio.sleep(0.1)
+    assert read_metrics(detok_port).get(key, 0.0) >= before + 1
+    assert any(
+        e["event"] == "request cancelled by client disconnect" and e.get("request_id") == rid
+        for e in logs
+    )
