@@ -6,14 +6,17 @@
 Per configuration Baton is spawned once and serves two phases, the same short requests in each
 (64-token prompts, 64 output tokens, Poisson arrivals): **steady**, shorts only; **burst**, the
 shorts plus 10% as many long prompts (~1,500 tokens, 16 output tokens) arriving together a third
-of the way in. Two configurations: **chunked** prefill (``BATON_MAX_NUM_BATCHED_TOKENS=256``: a
-long prompt is computed in chunks, short prompts join the batches between them) and
-**unchunked** (2048: a long prompt is one forward that a short prompt waits behind).
+of the way in. Three configurations: **chunked** prefill (``BATON_MAX_NUM_BATCHED_TOKENS=256``:
+a long prompt is computed in chunks, short prompts join the batches beside them), **unchunked**
+(2048: a long prompt is one forward that a short prompt waits behind), and **own-cores**: chunked,
+with prefill and decode pinned to separate halves of the cores (``BATON_PREFILL_CPUS`` /
+``BATON_DECODE_CPUS``), the CPU analogue of disaggregation onto separate GPUs (needs 2+ cores).
 
 Printed side by side: the short requests' TTFT p99 (what chunking is for) and TPOT p99 (what
 disaggregation is for: decode runs elsewhere, so a prefill burst should not slow it; the claim is
-burst/steady <= 1.2x), and a plot (``<out>_mixed.png``). On one machine prefill and decode share
-the cores, so the TPOT ratio also measures that sharing, not only the design.
+burst/steady <= 1.2x), and a plot (``<out>_mixed.png``). Unpinned, prefill and decode share the
+cores, so their TPOT ratio measures that sharing, not only the design; own-cores measures the
+design.
 """
 
 from __future__ import annotations
@@ -21,13 +24,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from loadtest.serving import finite, run_load, say, spawned_baton, warm_up
 from loadtest.workload import RequestResult, RequestSpec, make_workload, percentile
 
-CONFIGS = {"chunked": 256, "unchunked": 2048}  # BATON_MAX_NUM_BATCHED_TOKENS
+CHUNKED = {"BATON_MAX_NUM_BATCHED_TOKENS": "256"}
+UNCHUNKED = {"BATON_MAX_NUM_BATCHED_TOKENS": "2048"}
+
+
+def configs() -> dict[str, dict[str, str]]:
+    """name -> the services' environment. own-cores: prefill on the first half of this process's
+    CPUs, decode on the rest (the broker and the light services stay unpinned)."""
+    out = {"chunked": CHUNKED, "unchunked": UNCHUNKED}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        half = len(cpus) // 2
+        own = {"BATON_PREFILL_CPUS": ",".join(map(str, cpus[:half])),
+               "BATON_DECODE_CPUS": ",".join(map(str, cpus[half:]))}  # fmt: skip
+        out["own-cores"] = {**CHUNKED, **own}
+    return out
+
+
 SHORT_PROMPT, SHORT_OUTPUT = 64, 64
 LONG_PROMPT, LONG_OUTPUT = 1500, 16
 LONG_SHARE = 0.1
@@ -87,9 +107,8 @@ def mixed_main(
     specs = phases(args.num_requests, args.mixed_rate, vocab, special, args.seed)
     report: dict[str, Any] = {"model": str(model_dir), "rate": args.mixed_rate, "configs": {}}
     out = Path(args.out_json)
-    for name, budget in CONFIGS.items():
+    for name, env in configs().items():
         log_path = out.with_name(f"{out.stem}_mixed_{name}.services.log")
-        env = {"BATON_MAX_NUM_BATCHED_TOKENS": str(budget)}
         with spawned_baton(model_dir, log_path, env=env) as target:
             report["configs"][name] = asyncio.run(
                 _serve(target.url, specs, vocab, args.wait_s, name)

@@ -35,8 +35,10 @@ def run_one(name: str, config: BatonConfig) -> None:
     if spec(name).runs_model:
         import torch
 
-        threads = getattr(config, f"{name}_torch_threads")  # 0: half the cores (see config.py)
-        torch.set_num_threads(threads if threads > 0 else max(1, (os.cpu_count() or 2) // 2))
+        from services.shell.cpus import pin_engine
+
+        cpus, threads = getattr(config, f"{name}_cpus"), getattr(config, f"{name}_torch_threads")
+        torch.set_num_threads(pin_engine(cpus, threads))
     service = spec(name).build(config)
     asyncio.run(run_until_signalled(service))
 

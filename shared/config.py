@@ -45,6 +45,11 @@ class BatonConfig:
     # ~20% more end-to-end throughput than two each, which mostly spin against each other.
     prefill_torch_threads: int = 0
     decode_torch_threads: int = 0
+    # CPUs each engine service is pinned to (a Linux CPU list, "0-3,8"; "" = anywhere): the CPU
+    # analogue of separate GPUs, so a prefill burst cannot take decode's cores. With a list and
+    # threads 0, the engine uses one thread per listed CPU. See services/shell/cpus.py.
+    prefill_cpus: str = ""
+    decode_cpus: str = ""
     # --- limits -------------------------------------------------------------------------------
     max_model_len: int = 2048
     max_prompt_tokens: int = 1536

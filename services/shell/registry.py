@@ -30,7 +30,8 @@ class ServiceSpec:
     # on its HTTP port instead).
     metrics_endpoint: bool = True
     # Runs a model (prefill, decode): its intra-op thread count is BATON_<NAME>_TORCH_THREADS,
-    # and `up` keeps large freed buffers in the process (see services/__main__.py).
+    # its CPUs BATON_<NAME>_CPUS (services/shell/cpus.py), and `up` keeps large freed buffers
+    # in the process (see services/__main__.py).
     runs_model: bool = False
     optional: bool = False  # `up` skips it, with a log line, when its module cannot be imported
 

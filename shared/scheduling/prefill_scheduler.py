@@ -1,9 +1,16 @@
 """Prefill scheduling: batch waiting prompts up to a token budget, chunk the long ones.
 
-Sequences whose prompt is partly computed (chunked prefill) continue first: they already hold
-blocks, and finishing them frees those blocks soonest. New prompts are admitted in the waiting
-queue's order (effective priority: priority, aging, the short-prompt boost) while the token
-budget, the sequence cap and the block manager allow.
+Each step's budget (``max_num_batched_tokens``) goes, in this order, to:
+1. *whole prompts*, in the waiting queue's order (effective priority: priority, aging, the
+   short-prompt boost), as long as each fits whole. A prompt too long to fit whole (it will be
+   chunked) may be *overtaken* by the whole prompts behind it, for up to half the budget: that is
+   what chunking is for — a short request's first token does not wait for a 1.5k-token prompt
+   (vLLM v0's ``max_long_partial_prefills`` rule; ``docs/scheduling.md``, "Mixed workload").
+2. prompts already partly computed (chunked), which also hold at least half the budget whenever
+   they can use it: they hold blocks, and finishing them frees those soonest;
+3. the next waiting prompts in order, the last one chunked to what is left.
+Nothing waits forever: an overtaken prompt starts with at least half of a step, and a prompt that
+does not fit in the free blocks stops admission (smaller ones behind it never overtake it).
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.scheduling.base import SchedulerBase
 from shared.scheduling.waiting_queue import Ranking
+
+# How many too-long prompts step 1 looks past for whole ones behind them (bounds its cost).
+MAX_PASSED_OVER = 32
 
 
 @dataclass
@@ -27,6 +37,15 @@ class PrefillBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+def remaining(seq: Sequence) -> int:
+    """Prompt tokens not computed yet."""
+    return seq.num_tokens - seq.num_computed_tokens
 
 
 class PrefillScheduler(SchedulerBase):
@@ -46,28 +65,59 @@ class PrefillScheduler(SchedulerBase):
         self.waiting.push(seq)
 
     def schedule(self) -> PrefillBatch:
+        half = self.max_num_batched_tokens // 2
+        continuing = list(self.running.values())
+        reserved = min(sum(remaining(s) for s in continuing), half)  # step 2's share
+        whole = self._admit_whole(self.max_num_batched_tokens - reserved, half)
         batch = PrefillBatch()
-        budget = self.max_num_batched_tokens
-        for seq in self.running.values():
-            if budget == 0 or len(batch) == self.max_num_seqs:
+        budget = self.max_num_batched_tokens - sum(n for _, n in whole)
+        for seq in continuing[: self.max_num_seqs - len(whole)]:
+            if budget == 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            batch.add(seq, min(remaining(seq), budget))
+            budget -= batch.num_new_tokens[-1]
+        for seq, n in whole:
+            batch.add(seq, n)
         while budget > 0 and len(batch) < self.max_num_seqs:
             head = self.waiting.peek()
             if head is None or not self.block_manager.can_allocate(head):
                 break  # strict priority order: a big prompt is not overtaken forever
-            seq = self.waiting.pop()
-            self.block_manager.allocate(seq)  # may find a cached prefix
-            seq.status = SequenceStatus.RUNNING
-            self.running[seq.request_id] = seq
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            seq = self._start(self.waiting.pop())
+            batch.add(seq, min(remaining(seq), budget))
+            budget -= batch.num_new_tokens[-1]
         return batch
+
+    def _admit_whole(self, free: int, max_overtaking: int) -> list[tuple[Sequence, int]]:
+        """Step 1: waiting prompts that fit whole into ``free`` tokens, in order; a prompt that
+        does not (it will be chunked) is passed over while the prompts passing it total at most
+        ``max_overtaking`` tokens. The passed-over keep their places in the queue."""
+        whole: list[tuple[Sequence, int]] = []
+        passed: list[Sequence] = []
+        overtaking = 0
+        seats = self.max_num_seqs - len(self.running)
+        while len(whole) < seats and len(passed) < MAX_PASSED_OVER:
+            head = self.waiting.peek()
+            if head is None or not self.block_manager.can_allocate(head):
+                break  # out of blocks: strict order, nothing overtakes
+            n = remaining(head)  # before a prefix hit: at most what it will cost
+            if n > free:
+                passed.append(self.waiting.pop())
+                continue
+            if passed and overtaking + n > max_overtaking:
+                break
+            seq = self._start(self.waiting.pop())
+            whole.append((seq, remaining(seq)))
+            free -= whole[-1][1]
+            overtaking += whole[-1][1] if passed else 0
+        for seq in reversed(passed):
+            self.waiting.push(seq, front=True)
+        return whole
+
+    def _start(self, seq: Sequence) -> Sequence:
+        self.block_manager.allocate(seq)  # may find a cached prefix
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq.request_id] = seq
+        return seq
 
     def update(self, batch: PrefillBatch, sampled: list[int | None]) -> list[Sequence]:
         """Advance counters after the forward; returns the sequences whose prompt is done."""

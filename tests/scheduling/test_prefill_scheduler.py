@@ -69,13 +69,53 @@ def test_long_prompt_is_chunked_and_completed() -> None:
     assert ps.block_manager.num_free_blocks == 64 and s.status is SequenceStatus.FINISHED
 
 
-def test_chunked_prompt_continues_before_new_work() -> None:
+def test_chunked_prompt_keeps_half_the_budget_beside_new_work() -> None:
     ps = prefill(budget=8)
     ps.add(seq("long", 20, priority=0))
     batch = ps.schedule()
     ps.update(batch, [None])
     ps.add(seq("urgent", 3, priority=9))
-    assert plan(ps.schedule()) == [("long", 8)]  # it holds blocks: finish it first
+    ps.add(seq("next", 3, priority=9))
+    # urgent fits whole beside the chunk's half; next would leave the chunk less than half
+    assert plan(ps.schedule()) == [("long", 5), ("urgent", 3)]
+
+
+def test_whole_prompts_overtake_a_prompt_that_must_be_chunked() -> None:
+    """A long prompt ahead in the queue does not hold short ones behind it for its whole
+    prefill: they pass it for up to half the budget, and keep their own order."""
+    ps = prefill(budget=16)
+    ps.add(seq("long", 40))
+    ps.add(seq("long2", 30))
+    for rid in ("s1", "s2", "s3"):
+        ps.add(seq(rid, 3))
+    batch = ps.schedule()
+    assert plan(batch) == [("s1", 3), ("s2", 3), ("long", 10)]  # s3 would make the passing > 8
+    for s in ps.update(batch, [7, 7, None]):
+        ps.free(s)
+    batch = ps.schedule()
+    assert plan(batch) == [("long", 13), ("s3", 3)]  # s3 passes long2; long keeps more than half
+    ps.update(batch, [None, 7])
+    batch = ps.schedule()
+    assert plan(batch) == [("long", 16)]
+    ps.update(batch, [None])
+    assert plan(ps.schedule()) == [("long", 1), ("long2", 15)]  # long2 kept its place
+
+
+def test_a_passed_over_prompt_is_not_starved_by_a_stream_of_short_ones() -> None:
+    ps = prefill(budget=16, max_num_seqs=64)
+    ps.add(seq("long", 40))
+    for step in range(20):
+        for i in range(6):
+            ps.add(seq(f"short-{step}-{i}", 3))
+        batch = ps.schedule()
+        sampled = [7 if s.num_computed_tokens + n == s.num_tokens else None
+                   for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]  # fmt: skip
+        done = ps.update(batch, sampled)
+        for s in done:
+            ps.free(s)
+        if any(s.request_id == "long" for s in done):
+            break
+    assert step + 1 <= 5  # 40 tokens at >= 8 a step: half the budget, whatever keeps arriving
 
 
 def test_chunked_prompt_and_new_prompts_share_a_budget() -> None:

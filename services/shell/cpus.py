@@ -1,0 +1,44 @@
+"""Which CPUs an engine service runs on, and how many torch threads it uses there.
+
+On one machine prefill and decode share the cores with the broker and the light services; a long
+prefill then steals decode's CPU and every stream's time per output token grows, which is what
+disaggregation exists to prevent. ``BATON_PREFILL_CPUS`` / ``BATON_DECODE_CPUS`` (Linux CPU lists,
+``"0-3,8"``) give each engine its own cores, the CPU analogue of separate GPUs; the light services
+stay unpinned. Unset, a service may run anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def parse_cpu_list(spec: str) -> frozenset[int]:
+    """``"0-3,8"`` -> {0, 1, 2, 3, 8}; ``""`` -> {} (no restriction). ValueError if malformed."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, sep, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last if sep else first)
+        except ValueError:
+            raise ValueError(f"not a CPU list: {spec!r}") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"not a CPU range: {part!r} in {spec!r}")
+        cpus.update(range(lo, hi + 1))
+    return frozenset(cpus)
+
+
+def pin_engine(cpu_spec: str, torch_threads: int) -> int:
+    """Pin this process to ``cpu_spec`` (if given) and return its torch thread count.
+
+    ``torch_threads`` 0 means auto: every pinned CPU, or half the machine's cores unpinned (prefill
+    and decode then share them). Must run before torch starts its thread pool."""
+    cpus = parse_cpu_list(cpu_spec)
+    if cpus:
+        available = os.sched_getaffinity(0)
+        if not cpus <= available:
+            missing = ",".join(map(str, sorted(cpus - available)))
+            raise ValueError(f"CPUs {missing} of {cpu_spec!r} are not available to this process")
+        os.sched_setaffinity(0, cpus)
+    if torch_threads > 0:
+        return torch_threads
+    return len(cpus) if cpus else max(1, (os.cpu_count() or 2) // 2)

@@ -1,0 +1,49 @@
+"""Engine CPU pinning (services/shell/cpus.py): the list syntax, and a real pinned child."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.shell.cpus import parse_cpu_list, pin_engine
+from shared.config import REPO_ROOT
+
+
+@pytest.mark.parametrize(
+    ("spec", "cpus"),
+    [("", set()), ("0", {0}), ("0-3,8", {0, 1, 2, 3, 8}), (" 1 , 3-4 ", {1, 3, 4}), ("2-2", {2})],
+)
+def test_cpu_lists(spec: str, cpus: set[int]) -> None:
+    assert parse_cpu_list(spec) == cpus
+
+
+@pytest.mark.parametrize("spec", ["a", "1-", "3-1", "-1", "0-x", "1.5"])
+def test_malformed_cpu_lists_are_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="CPU"):
+        parse_cpu_list(spec)
+
+
+def test_unpinned_threads_are_half_the_cores_or_as_given() -> None:
+    assert pin_engine("", 3) == 3
+    assert pin_engine("", 0) == max(1, (os.cpu_count() or 2) // 2)
+
+
+def test_a_cpu_this_process_may_not_use_is_refused() -> None:
+    with pytest.raises(ValueError, match="not available"):
+        pin_engine(str(max(os.sched_getaffinity(0)) + 1), 0)
+
+
+def test_a_pinned_engine_runs_only_on_its_cpus_with_one_thread_each() -> None:
+    """In a child (pinning is per process): affinity and torch's thread count both follow."""
+    cpu = min(os.sched_getaffinity(0))
+    code = (
+        "import os, torch; from services.shell.cpus import pin_engine;"
+        f"torch.set_num_threads(pin_engine('{cpu}', 0));"
+        "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, check=True, timeout=120).stdout  # fmt: skip
+    assert out.split() == [f"[{cpu}]", "1"]
