@@ -326,6 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed", action="store_true", help="mixed workload (loadtest/mixed.py); "
                    "--requests is the number of short requests per phase")  # fmt: skip
     p.add_argument("--mixed-rate", type=float, default=8.0, help="--mixed: short requests/s")
+    p.add_argument("--mixed-configs", default=None,
+                   help="--mixed: some of chunked,unchunked,own-cores (default: all)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads for HF and matmul")
     p.add_argument("--wait-s", type=float, default=900.0, help="client wait limit per request")
     p.add_argument("--startup-timeout", type=float, default=300.0)
