@@ -107,6 +107,7 @@ def test_engines_on_triton_backend_match_torch_backend(tmp_path: Path) -> None:
         pair.add("a", list(range(3, 43)), SamplingParams(max_tokens=4, ignore_eos=True))
         pair.add("b", list(range(50, 55)), SamplingParams(max_tokens=4, ignore_eos=True))
         outputs.append(pair.run())
-        assert pair.prefill_log.chunks("a") == [24, 16]
+        # b (5 tokens) fits whole and passes a, which is chunked in the rest of each step
+        assert pair.prefill_log.chunks("a") == [19, 21]
         pair.assert_clean()
     assert outputs[0] == outputs[1]
