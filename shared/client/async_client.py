@@ -84,6 +84,10 @@ Terminal = DoneReply | ErrorReply
 DEFAULT_WAIT_S = 600.0
 REPLY_QUEUE_EXPIRES_S = 300.0
 RECONNECT_GRACE_S = 30.0
+# Replies are acked together, one ``multiple`` ack for those received within this window: a
+# stream of replies costs the client and the broker one ack frame per window, not per reply.
+# (No prefetch limit on the reply queue, so a later ack never holds deliveries back.)
+ACK_WINDOW_S = 0.005
 
 
 def default_amqp_url() -> str:
@@ -212,6 +216,7 @@ class BatonClient:
         self._pending: dict[str, _Pending] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._lost_timer: asyncio.TimerHandle | None = None
+        self._unacked: AbstractIncomingMessage | None = None  # the latest reply not acked yet
         # Anyone who may publish to the default exchange reaches a reply queue whose name they
         # know: a reply is bounded like every other message (BATON_MAX_MESSAGE_BYTES).
         self.max_reply_bytes = default_max_reply_bytes()
@@ -239,8 +244,9 @@ class BatonClient:
             CONTROL_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
         )
         client = cls(connection, channel, reply_queue, control, default_wait_s)
-        # Replies are acked once routed: a reply the broker sent while the connection was dying
-        # comes again after the reconnect (and is dropped as a duplicate) instead of being lost.
+        # Replies are acked once routed (together, per ACK_WINDOW_S): a reply the broker sent
+        # while the connection was dying comes again after the reconnect (and is dropped as a
+        # duplicate) instead of being lost.
         client._consumer_tag = await reply_queue.consume(client._on_reply, no_ack=False)
         connection.close_callbacks.add(client._on_connection_lost)
         connection.reconnect_callbacks.add(client._on_reconnected)
@@ -458,8 +464,9 @@ class BatonClient:
 
     async def _on_reply(self, message: AbstractIncomingMessage) -> None:
         received_at = time.perf_counter()
-        with contextlib.suppress(Exception):  # the channel died: redelivered, then deduplicated
-            await message.ack()
+        if self._unacked is None:
+            asyncio.get_running_loop().call_later(ACK_WINDOW_S, self._ack_received)
+        self._unacked = message
         rid = message.correlation_id
         pending = self._pending.get(rid) if rid else None
         if pending is None:
@@ -481,6 +488,22 @@ class BatonClient:
         else:
             pending.answered = True
         pending.queue.put_nowait(TimedReply(reply, received_at, received_at - pending.sent_at))
+
+    def _ack_received(self) -> None:
+        """Ack every reply received so far (the latest, ``multiple``). A channel that died
+        meanwhile fails the ack: the broker redelivers those replies, and they are dropped as
+        duplicates."""
+        message, self._unacked = self._unacked, None
+        if message is None:
+            return
+
+        async def ack() -> None:
+            with contextlib.suppress(Exception):
+                await message.ack(multiple=True)
+
+        task = asyncio.get_running_loop().create_task(ack())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _on_connection_lost(self, _conn: object, exc: BaseException | None = None) -> None:
         log.warning("broker connection lost", in_flight=len(self._pending), error=str(exc))
