@@ -1,7 +1,8 @@
 """The pooled KV transport (``BATON_KV_TRANSPORT=pool``) when a worker dies mid-handoff.
 
-Decode runs at most 8 sequences (``BATON_MAX_NUM_SEQS``), so of 32 requests 24 wait in decode
-with their KV still pinned in prefill's pool: each test kills one side while they wait.
+Decode runs at most 8 sequences (``BATON_MAX_NUM_SEQS``) and holds 2 handoffs more (its prefetch
+headroom; it reads their KV ahead), so of 32 requests 22 wait in the broker with their KV still
+pinned in prefill's pool: each test kills one side while they wait.
 
 - Prefill dies: its pool's owner is gone, so decode never reads those blocks (the mapping is
   refused, ``kv_map_failures_total``) and recomputes them; a new prefill starts and serves.
@@ -15,6 +16,9 @@ run's (greedy: the model's argmax), and no KV block is left in use anywhere.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import aio_pika
 import pytest
 
@@ -27,11 +31,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NUM_REQUESTS = 32
 # Long enough that decode's first wave (8 sequences) cannot finish between the moment the other
-# 24 are seen pinned and the kill: had it, some of them would be loaded from the live pool
-# before the kill and never meet the dead one (CI saw 14 of 24 refused at 200 tokens).
+# 22 are seen waiting in the broker and the kill: had it, some of them would be loaded from the
+# live pool before the kill and never meet the dead one (CI saw 14 of 24 refused at 200 tokens).
 MAX_TOKENS = 600
 DECODE_BATCH = 8
-POOL_ENV = {"BATON_KV_TRANSPORT": "pool", "BATON_MAX_NUM_SEQS": str(DECODE_BATCH)}
+HEADROOM = 2  # handoffs decode holds beyond its batch (and loads ahead)
+IN_BROKER = NUM_REQUESTS - DECODE_BATCH - HEADROOM
+POOL_ENV = {
+    "BATON_KV_TRANSPORT": "pool",
+    "BATON_MAX_NUM_SEQS": str(DECODE_BATCH),
+    "BATON_DECODE_PREFETCH_HEADROOM": str(HEADROOM),
+}
 PINNED = "baton:kv_blocks_pinned"
 USED = "baton:kv_blocks_used"
 EXPIRED = "baton:kv_leases_expired_total"
@@ -67,29 +77,28 @@ def done_tokens(log: ReplyLog, request_id: str) -> list[int]:
 async def kill_with_handoffs_pinned(
     procs: ServiceProcesses, log: ReplyLog, name: str
 ) -> tuple[list[str], int]:
-    """Send the batch; once decode generates its first sequences (the rest wait, pinned in
-    prefill's pool), SIGKILL ``name``. Returns the request ids and how many handoffs waited in
-    the broker at the kill: those were certainly never read (decode may already hold a few more
-    than its 8 slots, taken while its prefetch window closed, and read their KV early)."""
+    """Send the batch; once every handoff decode does not hold waits in the broker (pinned in
+    prefill's pool) and decode generates, SIGKILL ``name``. Returns the request ids and how many
+    handoffs waited in the broker at the kill: those were certainly never read."""
     ids = await log.send(batch(f"{name}-killed"))
-    waiting = NUM_REQUESTS - DECODE_BATCH  # at least a block each
-    port = procs.metrics_port("prefill")
-    await poll_metric(port, PINNED, lambda v: v >= waiting, timeout_s=60, every_s=0.01)
-    await log.wait_streaming(ids, min_tokens=2, timeout_s=10)
-    assert scrape(port)[PINNED] >= waiting, "the handoffs were not waiting, pinned"
-    assert max(log.num_streamed(rid) for rid in ids) < MAX_TOKENS, "raise MAX_TOKENS"
-    in_broker = await decode_backlog(procs.amqp_url)
-    print(f"{in_broker} handoffs waited in the broker at the kill of {name}")
-    procs.kill(name)
-    assert in_broker >= waiting // 2, f"only {in_broker} handoffs waited in the broker"
-    return ids, in_broker
-
-
-async def decode_backlog(amqp_url: str) -> int:
-    connection = await aio_pika.connect(amqp_url)
+    connection = await aio_pika.connect(procs.amqp_url)
     async with connection:
         queue = await (await connection.channel()).declare_queue(DECODE_QUEUE, passive=True)
-        return int(queue.declaration_result.message_count or 0)
+
+        async def in_broker() -> int:
+            await queue.declare()
+            return int(queue.declaration_result.message_count or 0)
+
+        deadline = time.monotonic() + 60
+        while await in_broker() < IN_BROKER:
+            assert time.monotonic() < deadline, f"{await in_broker()} handoffs in the broker"
+            await asyncio.sleep(0.02)
+        await log.wait_streaming(ids, min_tokens=2, timeout_s=10)
+        assert scrape(procs.metrics_port("prefill"))[PINNED] >= IN_BROKER
+        assert max(log.num_streamed(rid) for rid in ids) < MAX_TOKENS, "raise MAX_TOKENS"
+        waiting = await in_broker()
+        procs.kill(name)
+    return ids, waiting
 
 
 async def assert_no_block_in_use(procs: ServiceProcesses) -> None:
