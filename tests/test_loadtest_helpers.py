@@ -11,6 +11,7 @@ import pytest
 
 from loadtest import stage_profile as sp
 from loadtest.overhead import format_overhead
+from loadtest.reply_log import ReplyLog
 from loadtest.serving import metrics_ports
 from loadtest.vllm_baseline import parse_result, run_vllm_baseline
 from loadtest.workload import (
@@ -31,6 +32,7 @@ from loadtest.workload import (
     tpot,
     workload_flops,
 )
+from shared.wire.messages import DoneReply, TokenReply
 
 
 def test_percentile_interpolates_linearly() -> None:
@@ -342,3 +344,22 @@ def test_mixed_workload_phases_and_report(tmp_path: Path) -> None:
     assert "burst / steady = 1.50x" in text and "chunked / unchunked = 1.00x" in text
     mixed.plot_mixed(tmp_path / "m.png", report)
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+# --- ReplyLog.check_stream: a repeated terminal reply ------------------------------------------
+
+
+def _done(text: str, e2e_s: float) -> DoneReply:
+    usage = {"prompt_tokens": 2, "completion_tokens": 2}
+    return DoneReply("r", text, [5, 6], "length", usage, {"e2e_s": e2e_s})
+
+
+def test_a_repeated_terminal_reply_passes_only_after_a_detokenizer_crash() -> None:
+    log = ReplyLog("amqp://unused/")
+    log.replies["r"] = [TokenReply("r", "ab", [5, 6], 0, 0), _done("ab", 1.0), _done("ab", 2.5)]
+    with pytest.raises(AssertionError):
+        log.check_stream("r")
+    assert log.check_stream("r", detokenizer_crashed=True).text == "ab"  # timings may differ
+    log.replies["r"][-1] = _done("ax", 2.5)  # a different answer is never allowed
+    with pytest.raises(AssertionError):
+        log.check_stream("r", detokenizer_crashed=True)

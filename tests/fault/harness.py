@@ -77,7 +77,9 @@ def batch(tag: str) -> list[RequestMsg]:
     return msgs
 
 
-def check(log: ReplyLog, ids: list[str], reference: list[list[int]]) -> None:
+def check(
+    log: ReplyLog, ids: list[str], reference: list[list[int]], *, detokenizer_crashed: bool = False
+) -> None:
     for rid, ref in zip(ids, reference, strict=True):
-        done = log.check_stream(rid)
+        done = log.check_stream(rid, detokenizer_crashed=detokenizer_crashed)
         assert done.finish_reason == "length" and done.token_ids == ref, rid
