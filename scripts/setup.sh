@@ -9,6 +9,12 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[test,loadtest]"
+# Hugging Face's `kernels` distribution (pulled in by transformers>=5.25, see pyproject.toml)
+# makes transformers import `kernels`, which resolves to this repository's Triton package:
+# remove it. transformers only imports it when it is installed.
+if "$PY" -c "import importlib.metadata as m; m.distribution('kernels')" 2>/dev/null; then
+  "$PY" -m pip uninstall -q -y kernels
+fi
 # docker-compose validates compose.yaml in the tests (no Docker engine needed).
 if ! command -v docker-compose >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get install -y -q docker-compose >/dev/null 2>&1 \

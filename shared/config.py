@@ -50,6 +50,10 @@ class BatonConfig:
     # threads 0, the engine uses one thread per listed CPU. See services/shell/cpus.py.
     prefill_cpus: str = ""
     decode_cpus: str = ""
+    # CPU decode attention over an fp32 cache: "auto" = the C kernel of
+    # shared/engine/csrc (compiled on first use; the torch path if no C compiler), "torch" = the
+    # torch path. See shared/engine/cpu_attention.py.
+    cpu_attention: str = "auto"
     # --- limits -------------------------------------------------------------------------------
     max_model_len: int = 2048
     max_prompt_tokens: int = 1536

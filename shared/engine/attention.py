@@ -3,7 +3,9 @@
 The runner builds one metadata object per forward (tensors, masks, gather indices) through an
 :class:`AttentionBackend`; every layer then calls :func:`attention` with it. Two backends:
 - torch (any device, the CPU path): decode copies only K (per KV head, padded to the longest
-  context) for one batched matmul and reads V in place (see :class:`TorchDecodeMetadata`);
+  context) for one batched matmul and reads V in place (see :class:`TorchDecodeMetadata`); on
+  CPU with an fp32 float cache, decode goes through the C kernel of cpu_attention.py instead
+  (:class:`CpuKernelDecodeMetadata`: K and V read in place, once);
   prefill runs one SDPA per sequence, causal (``is_causal``) when it has no cached prefix, else
   with a causal-with-offset mask. A quantised cache (``BATON_KV_CACHE_DTYPE=int8``,
   kv_codec.py) decodes through :class:`TorchQuantDecodeMetadata` on any device.
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention_triton import TritonAttentionBackend, block_table_tensor
+from shared.engine.cpu_attention import DecodeKernel, load_kernel
 from shared.engine.kv_codec import FloatKV, Int8KV, KVCodec
 
 log = structlog.get_logger(__name__)
@@ -126,6 +129,27 @@ class TorchDecodeMetadata:
             per_sample_weights=probs.view(self.v_rows.shape),
         )
         return out.view(batch, num_heads, head_dim)
+
+
+@dataclass
+class CpuKernelDecodeMetadata:
+    """Decode attention through the C kernel (cpu_attention.py): K and V read in place, once;
+    the same numbers as :class:`TorchDecodeMetadata` up to summation order."""
+
+    slot_mapping: torch.Tensor  # int64 [B]
+    block_tables: torch.Tensor  # int64 [B, max_blocks]
+    context_lens: torch.Tensor  # int64 [B]
+    max_context_len: int
+    scale: float
+    kernel: DecodeKernel
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        return self.kernel.attend(
+            q, kv_layer, self.block_tables, self.context_lens, self.max_context_len, self.scale
+        )
 
 
 @dataclass
@@ -237,8 +261,14 @@ class TorchAttentionBackend:
         scale: float,
         device: torch.device,
         codec: KVCodec = FLOAT_KV,
+        decode_kernel: DecodeKernel | None = None,
     ):
+        """``decode_kernel``: decode attention through the C kernel (an fp32 float cache on
+        CPU); None = the torch path."""
         self.codec = codec
+        self.decode_kernel = decode_kernel
+        if decode_kernel is not None:
+            self.name = "torch+c-decode"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -249,11 +279,20 @@ class TorchAttentionBackend:
 
     def decode_metadata(
         self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
-    ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata:
+    ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata | CpuKernelDecodeMetadata:
         dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
         batch, context = len(context_lens), max(context_lens)
         max_blocks = (context + bs - 1) // bs
         tables = block_table_tensor(block_tables, max_blocks, torch.int64, dev)
+        if self.decode_kernel is not None:
+            return CpuKernelDecodeMetadata(
+                torch.tensor(slot_mapping, dtype=torch.int64),
+                tables,
+                torch.tensor(context_lens, dtype=torch.int64),
+                context,
+                self.scale,
+                self.decode_kernel,
+            )
         slots = (tables[:, :, None] * bs + self._block_offsets).view(batch, -1)[:, :context]
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
         padding = torch.arange(context, device=dev) >= lens[:, None]
@@ -295,6 +334,7 @@ class TorchAttentionBackend:
 
 
 AttentionBackend = TorchAttentionBackend | TritonAttentionBackend
+CPU_ATTENTION_MODES = ("auto", "torch")
 
 
 def select_backend(
@@ -304,8 +344,12 @@ def select_backend(
     num_kv_heads: int,
     scale: float,
     codec: KVCodec = FLOAT_KV,
+    dtype: torch.dtype = torch.float32,
+    cpu_attention: str = "auto",
 ) -> AttentionBackend:
-    """Triton kernels on CUDA when the ``kernels`` package provides them, else pure torch.
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
+    decode over an fp32 float cache goes through the C kernel unless ``cpu_attention`` is
+    ``"torch"`` (or the kernel cannot be built).
 
     A quantised cache takes the torch path on every device: the Triton decode kernel's int8
     specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
@@ -323,4 +367,11 @@ def select_backend(
             log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    return TorchAttentionBackend(num_blocks, block_size, num_kv_heads, scale, device, codec)
+    if cpu_attention not in CPU_ATTENTION_MODES:
+        raise ValueError(f"BATON_CPU_ATTENTION={cpu_attention!r}: one of {CPU_ATTENTION_MODES}")
+    kernel = None
+    if device.type == "cpu" and cpu_attention == "auto" and not codec.quantized:
+        kernel = load_kernel() if dtype == torch.float32 else None
+    return TorchAttentionBackend(
+        num_blocks, block_size, num_kv_heads, scale, device, codec, decode_kernel=kernel
+    )

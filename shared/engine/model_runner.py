@@ -88,6 +88,8 @@ class ModelRunner:
             cfg.num_kv_heads,
             cfg.head_dim**-0.5,
             self.kv_codec,
+            self.dtype,
+            config.cpu_attention,
         )
         self.sampler = Sampler()
         log.info(

@@ -10,7 +10,9 @@ is one of the contract's error codes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, ClassVar
 
 import msgpack
@@ -53,6 +55,33 @@ _MAX_CONTAINER = 1 << 20
 
 def pack(obj: dict[str, Any]) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def to_map(obj: Any) -> dict[str, Any]:
+    """A message dataclass as the map msgpack packs: nested messages become maps, everything
+    else is passed as it is (msgpack packs lists and dicts of plain values itself).
+
+    Not ``dataclasses.asdict``: that deep-copies every list element (one ``deepcopy`` per token
+    id), which was ~5% of decode's and ~10% of the detokenizer's CPU under load."""
+    return {name: _plain(getattr(obj, name)) for name in _field_names(type(obj))}
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+_SCALARS = frozenset({int, str, float, bool, bytes, type(None)})
+
+
+def _plain(value: Any) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list:  # lists of messages are homogeneous here
+        is_msgs = value and hasattr(type(value[0]), "__dataclass_fields__")
+        return [to_map(v) for v in value] if is_msgs else value
+    return to_map(value) if hasattr(kind, "__dataclass_fields__") else value
 
 
 def unpack(body: bytes, max_bytes: int) -> Any:
@@ -137,7 +166,7 @@ class _Internal:
     KIND: ClassVar[str] = ""
 
     def encode(self) -> bytes:
-        d = asdict(self)
+        d = to_map(self)
         d["v"] = SCHEMA_VERSION
         d["kind"] = self.KIND
         return pack(d)
@@ -354,7 +383,7 @@ class TokenReply:
     type: str = "token"
 
     def encode(self) -> bytes:
-        d = asdict(self)
+        d = to_map(self)
         if self.text_offset is None:
             del d["text_offset"]
         return pack(d)
@@ -371,7 +400,7 @@ class DoneReply:
     type: str = "done"
 
     def encode(self) -> bytes:
-        return pack(asdict(self))
+        return pack(to_map(self))
 
 
 @dataclass(frozen=True)
@@ -382,7 +411,7 @@ class ErrorReply:
     type: str = "error"
 
     def encode(self) -> bytes:
-        return pack(asdict(self))
+        return pack(to_map(self))
 
 
 Reply = TokenReply | DoneReply | ErrorReply

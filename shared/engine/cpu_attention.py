@@ -1,0 +1,199 @@
+"""CPU decode attention through the C kernel of ``csrc/paged_decode_attention.c``.
+
+Why a C kernel: on CPU a decode step at batch 64 spent ~45% of its time in attention (bench
+model, one thread: index_select of K rows, the scores bmm, embedding_bag over V), all of it
+moving 128-byte rows. The kernel reads each sequence's K and V blocks in place, once, and leaves
+the softmax between its two passes to torch. Same numbers as the torch path up to float
+summation order (tests/engine/test_cpu_attention.py sweeps shapes against it).
+
+The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
+this CPU (``-march=native``) into a cache directory keyed by the source, the flags, the compiler
+and the CPU, and loaded with ctypes; calls release the GIL, so a batch is split across
+``torch.get_num_threads()`` Python threads. No compiler, or a failed build: ``load_kernel``
+returns None and the torch path serves (one warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+# Rows of the batch per thread below which splitting costs more than it saves.
+MIN_ROWS_PER_THREAD = 8
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DecodeKernel:
+    """The loaded library: two passes, each over a batch range (see the C file)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, num_threads: int) -> None:
+        self.path = path
+        self._scores = lib.baton_paged_decode_scores_f32
+        self._scores.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
+        self._scores.restype = None
+        self._values = lib.baton_paged_decode_values_f32
+        self._values.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P]
+        self._values.restype = None
+        self.num_threads = max(1, num_threads)
+        self._pool = ThreadPoolExecutor(self.num_threads - 1) if self.num_threads > 1 else None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q ``[B, Hq, D]`` fp32 -> ``[B, Hq, D]``; ``kv_layer`` ``[2, blocks, bs, Hkv, D]``."""
+        batch, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, pool_dim = kv_layer.shape
+        check(q, kv_layer, block_tables, context_lens, max_context_len)
+        if pool_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"q {tuple(q.shape)} does not match the pool {tuple(kv_layer.shape)}")
+        q = q.contiguous()
+        scores = torch.empty(batch, num_heads, max_context_len)
+        out = torch.empty_like(q)
+        tables, lens = block_tables.data_ptr(), context_lens.data_ptr()
+        width = block_tables.shape[1]
+        k_pool, v_pool = kv_layer[0].data_ptr(), kv_layer[1].data_ptr()
+        dims = (num_heads, num_kv_heads, head_dim, block_size)
+
+        def score_rows(b0: int, b1: int) -> None:
+            self._scores(q.data_ptr(), k_pool, tables, width, lens, b0, b1, *dims, scale,
+                         scores.data_ptr(), max_context_len)  # fmt: skip
+
+        self._split(batch, score_rows)
+        probs = scores.softmax(-1)
+
+        def value_rows(b0: int, b1: int) -> None:
+            self._values(probs.data_ptr(), v_pool, tables, width, lens, b0, b1, *dims,
+                         max_context_len, out.data_ptr())  # fmt: skip
+
+        self._split(batch, value_rows)
+        return out
+
+    def _split(self, batch: int, run: Callable[[int, int], None]) -> None:
+        """``run(b0, b1)`` over the batch, in up to ``num_threads`` ranges (this thread takes
+        the first)."""
+        parts = min(self.num_threads, max(1, batch // MIN_ROWS_PER_THREAD))
+        if parts == 1 or self._pool is None:
+            run(0, batch)
+            return
+        bounds = [batch * i // parts for i in range(parts + 1)]
+        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        run(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+
+
+def check(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+) -> None:
+    """What the C code assumes and cannot check itself: fp32 on CPU, contiguous pools and
+    tables, int64 indices, and no context longer than the padded width or its block table."""
+    if q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
+        raise ValueError(f"fp32 only (q {q.dtype}, cache {kv_layer.dtype})")
+    if q.device.type != "cpu" or not kv_layer.is_contiguous():
+        raise ValueError("a contiguous CPU cache is required")
+    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+        raise ValueError("block tables and context lengths must be int64")
+    if not (block_tables.is_contiguous() and context_lens.is_contiguous()):
+        raise ValueError("block tables and context lengths must be contiguous")
+    batch = q.shape[0]
+    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError("one block table and one context length per query row")
+    capacity = block_tables.shape[1] * kv_layer.shape[2]
+    if batch and int(context_lens.max()) > min(max_context_len, capacity):
+        raise ValueError("a context is longer than the scores width or its block table")
+
+
+def load_kernel(
+    cache_dir: Path | None = None, num_threads: int | None = None
+) -> DecodeKernel | None:
+    """Build (once per machine and source) and load the kernel; None if it cannot be built."""
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    try:
+        path = build(cache_dir or default_cache_dir())
+        return DecodeKernel(ctypes.CDLL(str(path)), path, threads)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("C decode attention unavailable; using the torch path", error=str(exc))
+        return None
+
+
+def build(cache_dir: Path) -> Path:
+    """The compiled library for this source, compiler, flags and CPU (built if missing).
+    Concurrent builders (prefill and decode starting together) each write a private file and
+    rename it into place, so a reader never sees half a library."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature())).encode()
+    ).hexdigest()[:16]
+    path = cache_dir / f"paged_decode_attention-{key}.so"
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built C decode attention", path=str(path))
+    return path
+
+
+def default_cache_dir() -> Path:
+    """``$BATON_CACHE_DIR``, else ``$XDG_CACHE_HOME/baton``, else ``~/.cache/baton``; a
+    per-user temp directory where that is not writable (a read-only home in a container)."""
+    env = os.environ.get("BATON_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"baton-cache-{os.getuid()}"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(keep))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
