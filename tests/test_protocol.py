@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from shared.config import BatonConfig
 from shared.wire.messages import (
     SCHEMA_VERSION,
     ControlMsg,
@@ -31,6 +32,7 @@ from shared.wire.messages import (
     pack,
     unpack,
 )
+from shared.wire.validation import parse_request
 
 LIMIT = 1 << 20
 SAMPLING = SamplingParams(
@@ -396,3 +398,16 @@ def test_kv_release_round_trip_and_malformed() -> None:
     for bad in (["x"], [{"transport": "pool"}], [{**asdict(msg.releases[0]), "payload": 5}]):
         with pytest.raises(ProtocolError):
             KVReleaseMsg.decode(repack(msg, releases=bad), LIMIT)
+
+
+def test_batch_replies_is_sent_only_when_asked_and_parsed_as_a_boolean() -> None:
+    plain = unpack(RequestMsg("r", SamplingParams(), prompt="hi").encode(), LIMIT)
+    assert "batch_replies" not in plain  # the contract's request, unchanged for old servers
+    asked = RequestMsg("r", SamplingParams(), prompt="hi", batch_replies=True)
+    body = asked.encode()
+    assert unpack(body, LIMIT)["batch_replies"] is True
+    assert parse_request(body, BatonConfig()).batch_replies is True
+    plain_body = pack({"request_id": "r", "prompt": "hi"})
+    assert parse_request(plain_body, BatonConfig()).batch_replies is False
+    with pytest.raises(ProtocolError, match="batch_replies must be a boolean"):
+        parse_request(pack({"request_id": "r", "prompt": "hi", "batch_replies": 1}), BatonConfig())

@@ -51,6 +51,13 @@ class Output:
     aborts: list[str] = field(default_factory=list)  # ended here: workers should drop them
     finished: list[tuple[StartInfo, DoneReply | ErrorReply]] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # events of unknown requests given up
+    # requests whose replies may share a message with others on the same queue (batch_replies)
+    batchable: set[str] = field(default_factory=set)
+
+    def reply(self, info: StartInfo, reply: Reply) -> None:
+        self.replies.append((info.reply_to, reply))
+        if info.batch_replies:
+            self.batchable.add(info.request_id)
 
 
 class DetokenizerCore:
@@ -202,7 +209,7 @@ class DetokenizerCore:
         if req.info.stream and req.batch_index is not None:
             rid = req.info.request_id
             reply = TokenReply(rid, delta, req.batch_token_ids, req.batch_index, offset)
-            out.replies.append((req.info.reply_to, reply))
+            out.reply(req.info, reply)
         req.batch_index = None
         req.batch_token_ids = []
 
@@ -222,7 +229,7 @@ class DetokenizerCore:
             tail = req.detok.take_delta(final=True)
             if tail:
                 reply = TokenReply(info.request_id, tail, [], req.next_index, offset)
-                out.replies.append((info.reply_to, reply))
+                out.reply(info, reply)
         elif req.batch_index is not None:
             self._flush_one(req, out, final=True)
         n = len(req.detok.token_ids)
@@ -253,7 +260,7 @@ class DetokenizerCore:
         self._finished[rid] = None
         while len(self._finished) > self._max_finished:
             self._finished.popitem(last=False)
-        out.replies.append((req.info.reply_to, reply))
+        out.reply(req.info, reply)
         out.finished.append((req.info, reply))
 
 

@@ -33,9 +33,9 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from transformers import AutoTokenizer
 
+from services.detokenizer.batching import reply_messages
 from services.detokenizer.core import DetokenizerCore, Output
 from services.detokenizer.ledger import DeliveryLedger
-from services.shell.broker import Outgoing
 from services.shell.common import resolve_model_dir
 from services.shell.shell import ServiceShell, ack
 from shared.config import BatonConfig
@@ -173,11 +173,7 @@ class DetokenizerService:
     async def _send(
         self, out: Output, deliveries: list[tuple[AbstractIncomingMessage, set[str]]]
     ) -> None:
-        # Persistent: a client's reply queue is durable, so its replies survive a broker restart.
-        replies = [
-            Outgoing(reply_to, reply.encode(), correlation_id=reply.request_id)
-            for reply_to, reply in out.replies
-        ]
+        replies = reply_messages(out.replies, out.batchable)
         # The core has already applied these inputs: a redelivery would be deduplicated and
         # produce no replies, so the replies themselves are retried until the broker takes them
         # (the robust connection reconnects meanwhile). Inputs are acked only afterwards.

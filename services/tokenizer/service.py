@@ -142,6 +142,7 @@ class TokenizerService:
             arrival_time=arrival,
             deadline=deadline,
             max_tokens=sampling.max_tokens,
+            batch_replies=req.batch_replies,
         )
         work = PrefillMsg(
             request_id=req.request_id,

@@ -59,7 +59,7 @@ from shared.wire.messages import (
     RequestMsg,
     SamplingParams,
     TokenReply,
-    decode_reply,
+    decode_replies,
 )
 from shared.wire.queues import CONTROL_EXCHANGE, REQUESTS_QUEUE
 from shared.wire.sampling import DEFAULT_MAX_TOKENS
@@ -317,6 +317,9 @@ class BatonClient:
             stream=stream,
             priority=priority or 0,
             timeout_s=timeout_s,
+            # The reply queue is this client's alone: several requests' replies may come in one
+            # message (fewer broker messages when many requests stream at once).
+            batch_replies=True,
         )
         pending = await self._send(msg.encode(), msg.request_id, True, priority)
         async with aclosing(self._replies(msg.request_id, pending, wait_s)) as replies:
@@ -467,15 +470,25 @@ class BatonClient:
         if self._unacked is None:
             asyncio.get_running_loop().call_later(ACK_WINDOW_S, self._ack_received)
         self._unacked = message
-        rid = message.correlation_id
-        pending = self._pending.get(rid) if rid else None
-        if pending is None:
-            log.debug("reply for no request in flight dropped", correlation_id=rid)
-            return
+        rid = message.correlation_id  # unset on a batch: each reply in it names its request
         try:
-            reply = decode_reply(message.body, self.max_reply_bytes)
+            replies = decode_replies(message.body, self.max_reply_bytes)
         except ProtocolError as exc:
-            pending.queue.put_nowait(exc)
+            pending = self._pending.get(rid) if rid else None
+            if pending is not None:
+                pending.queue.put_nowait(exc)
+            else:
+                log.warning("unreadable reply dropped", correlation_id=rid, error=exc.message)
+            return
+        for reply in replies:
+            # A lone reply is routed by its correlation_id, which is the request's even when
+            # the body could only name another (an unreadable request's error reply).
+            self._route(rid if rid and len(replies) == 1 else reply.request_id, reply, received_at)
+
+    def _route(self, rid: str, reply: Reply, received_at: float) -> None:
+        pending = self._pending.get(rid)
+        if pending is None:
+            log.debug("reply for no request in flight dropped", request_id=rid)
             return
         if pending.answered:
             log.debug("duplicate reply after the terminal one dropped", request_id=rid)

@@ -10,14 +10,20 @@ is one of the contract's error codes.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, ClassVar
 
-import msgpack
-
+from shared.wire.codec import expect_map, pack, to_map, unpack
 from shared.wire.errors import ErrorCode, ProtocolError
+from shared.wire.replies import (
+    DoneReply,
+    ErrorReply,
+    Reply,
+    TokenReply,
+    decode_replies,
+    decode_reply,
+    encode_reply_batch,
+)
 from shared.wire.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from shared.wire.typecheck import first_mismatch
 
@@ -43,71 +49,16 @@ __all__ = [
     "ErrorReply",
     "Reply",
     "decode_reply",
+    "decode_replies",
+    "encode_reply_batch",
+    "to_map",
 ]
 
 # 2: KVDescriptor became an opaque, versioned per-transport payload.
-SCHEMA_VERSION = 2
+# 3: StartInfo.batch_replies (the client's reply queue takes batches, see replies.py).
+SCHEMA_VERSION = 3
 MAX_REQUEST_ID_CHARS = 256
 MAX_PRIORITY = 9
-# Largest single array/map/str msgpack may allocate, whatever the body length claims.
-_MAX_CONTAINER = 1 << 20
-
-
-def pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def to_map(obj: Any) -> dict[str, Any]:
-    """A message dataclass as the map msgpack packs: nested messages become maps, everything
-    else is passed as it is (msgpack packs lists and dicts of plain values itself).
-
-    Not ``dataclasses.asdict``: that deep-copies every list element (one ``deepcopy`` per token
-    id), which was ~5% of decode's and ~10% of the detokenizer's CPU under load."""
-    cls: Any = type(obj)
-    names = _field_names(cls)
-    return {name: _plain(getattr(obj, name)) for name in names}
-
-
-@cache
-def _field_names(cls: Any) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-_SCALARS = frozenset({int, str, float, bool, bytes, type(None)})
-
-
-def _plain(value: Any) -> Any:
-    kind = type(value)
-    if kind in _SCALARS:
-        return value
-    if kind is list:  # lists of messages are homogeneous here
-        is_msgs = value and hasattr(type(value[0]), "__dataclass_fields__")
-        return [to_map(v) for v in value] if is_msgs else value
-    return to_map(value) if hasattr(kind, "__dataclass_fields__") else value
-
-
-def unpack(body: bytes, max_bytes: int) -> Any:
-    """Unpack an untrusted body: the size is checked before parsing, containers are capped."""
-    if len(body) > max_bytes:
-        raise ProtocolError(
-            ErrorCode.INVALID_REQUEST, f"message of {len(body)} bytes exceeds {max_bytes}"
-        )
-    try:
-        return msgpack.unpackb(
-            body,
-            raw=False,
-            strict_map_key=False,
-            max_str_len=max_bytes,
-            max_bin_len=max_bytes,
-            max_array_len=_MAX_CONTAINER,
-            max_map_len=_MAX_CONTAINER,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises a zoo of types on hostile input
-        why = str(exc) or type(exc).__name__
-        raise ProtocolError(
-            ErrorCode.INVALID_REQUEST, f"body is not valid msgpack ({why})"
-        ) from None
 
 
 def _check_version(d: dict[str, Any], kind: str) -> None:
@@ -116,12 +67,6 @@ def _check_version(d: dict[str, Any], kind: str) -> None:
         raise ProtocolError(
             ErrorCode.INTERNAL, f"{kind}: schema version {v!r}, this build speaks {SCHEMA_VERSION}"
         )
-
-
-def _map(obj: Any, kind: str) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} must be a map")
-    return obj
 
 
 # The parsing of client requests (field by field, with limits) lives in shared/wire/validation.py;
@@ -137,6 +82,9 @@ class RequestMsg:
     stream: bool = True
     priority: int = 0
     timeout_s: float | None = None
+    # An addition to the contract: this client's reply queue accepts batch messages (several
+    # requests' replies in one, shared/wire/replies.py). Old servers ignore it.
+    batch_replies: bool = False
 
     def encode(self) -> bytes:
         """Client side: the contract's request map."""
@@ -160,6 +108,8 @@ class RequestMsg:
             priority=self.priority,
             timeout_s=self.timeout_s,
         )
+        if self.batch_replies:
+            body["batch_replies"] = True
         return pack(body)
 
 
@@ -179,7 +129,7 @@ class _Internal:
 
     @classmethod
     def decode(cls, body: bytes, max_bytes: int) -> Any:
-        d = _map(unpack(body, max_bytes), cls.KIND)
+        d = expect_map(unpack(body, max_bytes), cls.KIND)
         _check_version(d, cls.KIND)
         if d.pop("kind", None) != cls.KIND:
             raise ProtocolError(ErrorCode.INTERNAL, f"expected a {cls.KIND} message")
@@ -287,6 +237,7 @@ class StartInfo:
     arrival_time: float = 0.0
     deadline: float | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
+    batch_replies: bool = False  # its reply queue takes batches (RequestMsg.batch_replies)
 
 
 @dataclass
@@ -358,76 +309,10 @@ class ControlMsg:
 
     @classmethod
     def decode(cls, body: bytes, max_bytes: int) -> ControlMsg:
-        d = _map(unpack(body, max_bytes), "control message")
+        d = expect_map(unpack(body, max_bytes), "control message")
         kind, rid = d.get("type"), d.get("request_id")
         if kind not in CONTROL_TYPES:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"unknown control type {kind!r}")
         if kind != "drain" and not isinstance(rid, str):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} needs a string request_id")
         return cls(type=kind, request_id=rid if isinstance(rid, str) else None)
-
-
-# --- replies (client contract) --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenReply:
-    """``index``: output position of ``token_ids[0]``. ``text_offset`` (an addition to the
-    contract that old clients may ignore): characters of the completion before ``text``. The
-    two are the reply's idempotency key: a reply re-sent after a crash or a lost confirm carries
-    the same positions and offsets, so a client keeps only what extends what it has."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    index: int
-    text_offset: int | None = None  # None: from a server that predates it
-    type: str = "token"
-
-    def encode(self) -> bytes:
-        d = to_map(self)
-        if self.text_offset is None:
-            del d["text_offset"]
-        return pack(d)
-
-
-@dataclass(frozen=True)
-class DoneReply:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: dict[str, int]
-    timing: dict[str, float | None]
-    type: str = "done"
-
-    def encode(self) -> bytes:
-        return pack(to_map(self))
-
-
-@dataclass(frozen=True)
-class ErrorReply:
-    request_id: str
-    code: str
-    message: str
-    type: str = "error"
-
-    def encode(self) -> bytes:
-        return pack(to_map(self))
-
-
-Reply = TokenReply | DoneReply | ErrorReply
-_REPLY_TYPES: dict[str, Any] = {"token": TokenReply, "done": DoneReply, "error": ErrorReply}
-
-
-def decode_reply(body: bytes, max_bytes: int) -> Reply:
-    """A reply, unpacked within ``max_bytes`` (every reader names its bound)."""
-    d = _map(unpack(body, max_bytes), "reply")
-    kind = d.get("type")
-    cls = _REPLY_TYPES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
-    if cls is None:
-        raise ProtocolError(ErrorCode.INTERNAL, f"unknown reply type {d.get('type')!r}")
-    try:
-        return cls(**d)  # type: ignore[no-any-return]
-    except TypeError as exc:
-        raise ProtocolError(ErrorCode.INTERNAL, f"malformed {d['type']} reply: {exc}") from None

@@ -120,6 +120,7 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
         stream=_bool(d, "stream", True),
         priority=_int(d, "priority", 0, 0, MAX_PRIORITY),
         timeout_s=timeout_s,
+        batch_replies=_bool(d, "batch_replies", False),
     )
 
 

@@ -14,7 +14,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.shell.common import resolve_model_dir
 from shared.client import BatonClient
 from shared.config import BatonConfig
-from shared.wire.messages import DoneReply, RequestMsg, SamplingParams, TokenReply, decode_reply
+from shared.wire.messages import (
+    DoneReply,
+    RequestMsg,
+    SamplingParams,
+    TokenReply,
+    decode_replies,
+)
 from shared.wire.queues import REQUESTS_QUEUE
 
 pytestmark = pytest.mark.integration
@@ -76,10 +82,16 @@ async def test_same_seed_same_sample(client: BatonClient) -> None:
     assert a.token_ids != c.token_ids
 
 
-async def test_64_requests_at_once_each_get_exactly_one_terminal(system) -> None:  # type: ignore[no-untyped-def]
-    """Publish 64 mixed requests at once on a raw channel and count every reply that comes."""
+@pytest.mark.parametrize("batch_replies", [False, True])
+async def test_64_requests_at_once_each_get_exactly_one_terminal(
+    system, batch_replies: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Publish 64 mixed requests at once on a raw channel and count every reply that comes.
+    Without ``batch_replies`` every message is one reply with its correlation_id (the contract);
+    with it, replies of several requests also come batched in one message."""
     rng = random.Random(0)
     connection = await aio_pika.connect_robust(system.amqp_url)
+    num_batches = 0
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         queue = await channel.declare_queue("", exclusive=True)
@@ -88,19 +100,26 @@ async def test_64_requests_at_once_each_get_exactly_one_terminal(system) -> None
         ids: list[str] = []
 
         async def on_reply(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            reply = decode_reply(message.body, BatonConfig().max_message_bytes)
-            assert message.correlation_id == reply.request_id
-            replies.setdefault(reply.request_id, []).append(reply)
+            nonlocal num_batches
+            got = decode_replies(message.body, BatonConfig().max_message_bytes)
+            if message.correlation_id is None:
+                assert batch_replies and len(got) >= 2
+                num_batches += 1
+            else:
+                assert [r.request_id for r in got] == [message.correlation_id]
+            for reply in got:
+                replies.setdefault(reply.request_id, []).append(reply)
             terminal = sum(1 for rs in replies.values() for r in rs if r.type != "token")
             if terminal >= len(ids):
                 all_done.set()
 
         await queue.consume(on_reply, no_ack=True)
         expected_tokens: dict[str, int] = {}
-        await _publish_all(channel, queue.name, rng, ids, expected_tokens)
+        await _publish_all(channel, queue.name, rng, ids, expected_tokens, batch_replies)
         await asyncio.wait_for(all_done.wait(), 120)
         await asyncio.sleep(1.5)  # anything extra (a duplicate terminal) would arrive by now
 
+    assert (num_batches > 0) == batch_replies
     for rid in ids:
         rs = replies[rid]
         terminal = [r for r in rs if r.type != "token"]
@@ -119,6 +138,7 @@ async def _publish_all(
     rng: random.Random,
     ids: list[str],  # type: ignore[no-untyped-def]
     expected: dict[str, int],
+    batch_replies: bool = False,
 ) -> None:
     msgs = []
     for i in range(64):
@@ -141,6 +161,7 @@ async def _publish_all(
                 else None,
                 stream=i % 5 != 0,
                 priority=rng.randint(0, 9),
+                batch_replies=batch_replies,
             )
         )
         ids.append(rid)

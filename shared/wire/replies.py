@@ -1,0 +1,110 @@
+"""Replies on a client's ``reply_to`` queue: the contract's ``token`` / ``done`` / ``error`` maps,
+and (an addition only for clients that ask for it) batches of them in one message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from shared.wire.codec import expect_map, pack, to_map, unpack
+from shared.wire.errors import ErrorCode, ProtocolError
+
+
+@dataclass(frozen=True)
+class TokenReply:
+    """``index``: output position of ``token_ids[0]``. ``text_offset`` (an addition to the
+    contract that old clients may ignore): characters of the completion before ``text``. The
+    two are the reply's idempotency key: a reply re-sent after a crash or a lost confirm carries
+    the same positions and offsets, so a client keeps only what extends what it has."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    index: int
+    text_offset: int | None = None  # None: from a server that predates it
+    type: str = "token"
+
+    def encode(self) -> bytes:
+        return pack(_reply_map(self))
+
+
+@dataclass(frozen=True)
+class DoneReply:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict[str, int]
+    timing: dict[str, float | None]
+    type: str = "done"
+
+    def encode(self) -> bytes:
+        return pack(to_map(self))
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    request_id: str
+    code: str
+    message: str
+    type: str = "error"
+
+    def encode(self) -> bytes:
+        return pack(to_map(self))
+
+
+Reply = TokenReply | DoneReply | ErrorReply
+_REPLY_TYPES: dict[str, Any] = {"token": TokenReply, "done": DoneReply, "error": ErrorReply}
+
+
+# A batch: replies of several requests that share one reply queue, in one message, for clients
+# that asked for it (request field ``batch_replies``). Its AMQP correlation_id is unset; each
+# reply inside carries its request_id. Bounded so a reader's size limit is never the surprise.
+BATCH_TYPE = "batch"
+MAX_BATCH_REPLIES = 1024
+
+
+def encode_reply_batch(bodies: list[bytes]) -> bytes:
+    """A batch from already encoded replies (``Reply.encode()``): msgpack's framing around them,
+    so a reply is packed once whether it goes alone or in a batch."""
+    if not 2 <= len(bodies) <= MAX_BATCH_REPLIES:
+        raise ValueError(f"a batch holds 2..{MAX_BATCH_REPLIES} replies, not {len(bodies)}")
+    packer = msgpack.Packer(use_bin_type=True)
+    head = packer.pack_map_header(2) + packer.pack("type") + packer.pack(BATCH_TYPE)
+    return b"".join((head, packer.pack("replies"), packer.pack_array_header(len(bodies)), *bodies))
+
+
+def decode_reply(body: bytes, max_bytes: int) -> Reply:
+    """A reply, unpacked within ``max_bytes`` (every reader names its bound)."""
+    return _reply(expect_map(unpack(body, max_bytes), "reply"))
+
+
+def decode_replies(body: bytes, max_bytes: int) -> list[Reply]:
+    """A reply or a batch of them (for clients that send ``batch_replies``), in order."""
+    d = expect_map(unpack(body, max_bytes), "reply")
+    if d.get("type") != BATCH_TYPE:
+        return [_reply(d)]
+    items = d.get("replies")
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_BATCH_REPLIES:
+        raise ProtocolError(ErrorCode.INTERNAL, "malformed batch: replies must be a short list")
+    return [_reply(expect_map(item, "batched reply")) for item in items]
+
+
+def _reply_map(reply: Reply) -> dict[str, Any]:
+    d = to_map(reply)
+    if d.get("text_offset", 0) is None:  # a token reply without one: absent, not nil
+        del d["text_offset"]
+    return d
+
+
+def _reply(d: dict[str, Any]) -> Reply:
+    kind = d.get("type")
+    cls = _REPLY_TYPES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
+    if cls is None:
+        raise ProtocolError(ErrorCode.INTERNAL, f"unknown reply type {d.get('type')!r}")
+    try:
+        return cls(**d)  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise ProtocolError(ErrorCode.INTERNAL, f"malformed {d['type']} reply: {exc}") from None
