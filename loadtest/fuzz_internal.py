@@ -27,6 +27,7 @@ from loadtest.fuzz_client import ClientFuzzer, dead_count
 from shared.config import BatonConfig
 from shared.wire import queues
 from shared.wire.messages import (
+    SCHEMA_VERSION,
     DetokMsg,
     HandoffMsg,
     PrefillMsg,
@@ -101,7 +102,9 @@ def _mutations(kind: str, base: dict[str, Any], max_bytes: int) -> list[tuple[st
         ("no_version", {k: v for k, v in base.items() if k != "v"}),
         ("oversized", {**base, "pad": "p" * (max_bytes + 1)}),
     ]
-    out += [(f"version={v!r}", {**base, "v": v}) for v in (1, 3, "2", 2.0, True, None)]
+    v = SCHEMA_VERSION  # its neighbours and look-alikes (True == 1, 3.0 == 3 in Python)
+    bad_versions = (v - 1, v + 1, str(v), float(v), True, None)
+    out += [(f"version={b!r}", {**base, "v": b}) for b in bad_versions]
     if kind == "detok":
         start, event = base["starts"][0], base["events"][0]
         out += [

@@ -155,10 +155,18 @@ class TokenizerService:
             arrival_time=arrival,
             deadline=deadline,
         )
-        # Registration first: the detokenizer must know the request before any token can exist.
+        # The registration and the work, confirms awaited together (one round trip, not two:
+        # ~1 ms of a 1-token request's ~11 ms beyond its forward). Both go out on one channel,
+        # registration first, so the broker routes it first; a token event that still overtakes
+        # it (a republish after a nack) waits in the detokenizer for its registration
+        # (services/detokenizer/core.py, orphan events). The input is acked only after both.
         detok = detok_queue_for(req.request_id, self.config.detok_shards)
-        await self.shell.publish(Outgoing(detok, DetokMsg(starts=[start]).encode()))
-        await self.shell.publish(Outgoing(PREFILL_QUEUE, work.encode(), priority=wire))
+        await self.shell.broker.publish_many(
+            [
+                Outgoing(detok, DetokMsg(starts=[start]).encode()),
+                Outgoing(PREFILL_QUEUE, work.encode(), priority=wire),
+            ]
+        )
         await message.ack()
         self.shell.metrics.on_published(PREFILL_QUEUE, req.priority, wire, "short_prompt")
         self.shell.metrics.on_accepted(len(token_ids))
