@@ -34,6 +34,7 @@ from loadtest.mixed import mixed_main
 from loadtest.overhead import fixed_overhead_main
 from loadtest.serving import finite, run_load, say, settle, target_for, warm_up
 from loadtest.workload import (
+    RequestSpec,
     Slo,
     Summary,
     format_summary,
@@ -134,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         return mixed_main(args, model_dir, vocab_size, special)
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
     prios = parse_mix(args.priorities) if args.priorities else None
-    workloads = [
-        make_workload(
-            args.num_requests, args.input_len, args.output_len, vocab_size, seed=args.seed,
+
+    def workload(rate: float, seed: int) -> list[RequestSpec]:
+        return make_workload(
+            args.num_requests, args.input_len, args.output_len, vocab_size, seed=seed,
             range_ratio=args.random_range_ratio, rate=rate, exclude_ids=special, priorities=prios,
-        )
-        for rate in rates
-    ]  # fmt: skip
+        )  # fmt: skip
+
+    workloads = [workload(rate, args.seed) for rate in rates]
     slo = Slo(args.slo_ttft, args.slo_tpot)
     say(f"model {model_dir} (vocab {vocab_size})")
     say(f"SLOs: TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s}s")
@@ -154,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     reference = {"vllm": vllm.pop("token_ids", None),
                  "hf": baseline.pop("token_ids", None) if baseline else None}  # fmt: skip
 
+    def load(
+        url: str, specs: list[RequestSpec], label: str
+    ) -> tuple[list[Any], float, list[list[int]]]:
+        return asyncio.run(
+            run_load(url, specs, max_concurrency=args.max_concurrency, wait_s=args.wait_s,
+                     label=label)
+        )  # fmt: skip
+
     runs: list[dict[str, Any]] = []
     with target_for(args, model_dir) as target:
         warm_s = asyncio.run(warm_up(target.url, vocab_size, args.startup_timeout))
@@ -161,29 +171,19 @@ def main(argv: list[str] | None = None) -> int:
         say(f"services idle after {settle(target.up_pid):.1f}s more")
         for rate, specs in zip(rates, workloads, strict=True):
             label = "all at once" if math.isinf(rate) else f"{rate:g} req/s"
-            results, duration, outputs = asyncio.run(
-                run_load(target.url, specs, max_concurrency=args.max_concurrency,
-                         wait_s=args.wait_s, label=label)
-            )  # fmt: skip
+            results, duration, outputs = load(target.url, specs, label)
             profile = None
             if not args.no_profile:
                 # A second pass, profiled, so the profiler's own CPU (py-spy, ~5% of two cores)
                 # is not charged to the measured run; new prompts of the same shape, so it does
                 # not hit the prefix cache the first pass filled.
-                again = make_workload(
-                    len(specs), args.input_len, args.output_len, vocab_size, seed=args.seed + 1,
-                    range_ratio=args.random_range_ratio, rate=rate, exclude_ids=special,
-                    priorities=prios,
-                )  # fmt: skip
+                again = workload(rate, args.seed + 1)
                 profiler = stage_profile.RunProfiler(
                     target.url, target.up_pid, target.metrics_ports or {},
                     use_pyspy=not args.no_py_spy, broker_api_port=args.broker_api_port,
                 )  # fmt: skip
                 profiler.begin()
-                _, profiled_s, _ = asyncio.run(
-                    run_load(target.url, again, max_concurrency=args.max_concurrency,
-                             wait_s=args.wait_s, label=f"{label}, profiled")
-                )  # fmt: skip
+                _, profiled_s, _ = load(target.url, again, f"{label}, profiled")
                 profile = profiler.end(
                     f"{label}, second pass under the profiler", len(again), profiled_s
                 )

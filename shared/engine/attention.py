@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention_triton import TritonAttentionBackend, block_table_tensor
-from shared.engine.cpu_attention import DecodeKernel, load_kernel
+from shared.engine.cpu_attention import DecodeKernel, KernelBatch, load_kernel
 from shared.engine.kv_codec import FloatKV, Int8KV, KVCodec
 
 log = structlog.get_logger(__name__)
@@ -137,9 +137,7 @@ class CpuKernelDecodeMetadata:
     the same numbers as :class:`TorchDecodeMetadata` up to summation order."""
 
     slot_mapping: torch.Tensor  # int64 [B]
-    block_tables: torch.Tensor  # int64 [B, max_blocks]
-    context_lens: torch.Tensor  # int64 [B]
-    max_context_len: int
+    rows: KernelBatch  # block tables and context lengths, checked once per step
     scale: float
     kernel: DecodeKernel
 
@@ -147,9 +145,7 @@ class CpuKernelDecodeMetadata:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
-        return self.kernel.attend(
-            q, kv_layer, self.block_tables, self.context_lens, self.max_context_len, self.scale
-        )
+        return self.kernel.attend(q, kv_layer, self.rows, self.scale)
 
 
 @dataclass
@@ -285,11 +281,10 @@ class TorchAttentionBackend:
         max_blocks = (context + bs - 1) // bs
         tables = block_table_tensor(block_tables, max_blocks, torch.int64, dev)
         if self.decode_kernel is not None:
+            lens_tensor = torch.tensor(context_lens, dtype=torch.int64)
             return CpuKernelDecodeMetadata(
                 torch.tensor(slot_mapping, dtype=torch.int64),
-                tables,
-                torch.tensor(context_lens, dtype=torch.int64),
-                context,
+                KernelBatch(tables, lens_tensor, context, bs),
                 self.scale,
                 self.decode_kernel,
             )
@@ -353,6 +348,8 @@ def select_backend(
 
     A quantised cache takes the torch path on every device: the Triton decode kernel's int8
     specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
+    if cpu_attention not in CPU_ATTENTION_MODES:
+        raise ValueError(f"BATON_CPU_ATTENTION={cpu_attention!r}: one of {CPU_ATTENTION_MODES}")
     if device.type == "cuda" and codec.quantized:
         log.warning("int8 KV cache: torch attention (the Triton kernels read float caches)")
     elif device.type == "cuda":
@@ -367,8 +364,6 @@ def select_backend(
             log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    if cpu_attention not in CPU_ATTENTION_MODES:
-        raise ValueError(f"BATON_CPU_ATTENTION={cpu_attention!r}: one of {CPU_ATTENTION_MODES}")
     kernel = None
     if device.type == "cpu" and cpu_attention == "auto" and not codec.quantized:
         kernel = load_kernel() if dtype == torch.float32 else None

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -54,20 +55,24 @@ class DecodeKernel:
         self._pool = ThreadPoolExecutor(self.num_threads - 1) if self.num_threads > 1 else None
 
     def attend(
-        self,
-        q: torch.Tensor,
-        kv_layer: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        max_context_len: int,
-        scale: float,
+        self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelBatch, scale: float
     ) -> torch.Tensor:
         """q ``[B, Hq, D]`` fp32 -> ``[B, Hq, D]``; ``kv_layer`` ``[2, blocks, bs, Hkv, D]``."""
         batch, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, pool_dim = kv_layer.shape
-        check(q, kv_layer, block_tables, context_lens, max_context_len)
+        if q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
+            raise ValueError(f"fp32 only (q {q.dtype}, cache {kv_layer.dtype})")
+        if q.device.type != "cpu" or not kv_layer.is_contiguous():
+            raise ValueError("a contiguous CPU cache is required")
         if pool_dim != head_dim or num_heads % num_kv_heads:
             raise ValueError(f"q {tuple(q.shape)} does not match the pool {tuple(kv_layer.shape)}")
+        if batch != rows.context_lens.shape[0] or block_size != rows.block_size:
+            raise ValueError("one block table and one context length per query row, same blocks")
+        block_tables, context_lens, max_context_len = (
+            rows.block_tables,
+            rows.context_lens,
+            rows.max_context_len,
+        )
         q = q.contiguous()
         scores = torch.empty(batch, num_heads, max_context_len)
         out = torch.empty_like(q)
@@ -104,29 +109,27 @@ class DecodeKernel:
             f.result()
 
 
-def check(
-    q: torch.Tensor,
-    kv_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_context_len: int,
-) -> None:
-    """What the C code assumes and cannot check itself: fp32 on CPU, contiguous pools and
-    tables, int64 indices, and no context longer than the padded width or its block table."""
-    if q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
-        raise ValueError(f"fp32 only (q {q.dtype}, cache {kv_layer.dtype})")
-    if q.device.type != "cpu" or not kv_layer.is_contiguous():
-        raise ValueError("a contiguous CPU cache is required")
-    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
-        raise ValueError("block tables and context lengths must be int64")
-    if not (block_tables.is_contiguous() and context_lens.is_contiguous()):
-        raise ValueError("block tables and context lengths must be contiguous")
-    batch = q.shape[0]
-    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
-        raise ValueError("one block table and one context length per query row")
-    capacity = block_tables.shape[1] * kv_layer.shape[2]
-    if batch and int(context_lens.max()) > min(max_context_len, capacity):
-        raise ValueError("a context is longer than the scores width or its block table")
+@dataclass(frozen=True)
+class KernelBatch:
+    """One step's block tables and context lengths, checked once here (every layer reads them):
+    what the C code assumes and cannot check itself."""
+
+    block_tables: torch.Tensor  # int64 [B, max_blocks], contiguous
+    context_lens: torch.Tensor  # int64 [B], contiguous
+    max_context_len: int  # the scores' width: no context is longer
+    block_size: int
+
+    def __post_init__(self) -> None:
+        tables, lens = self.block_tables, self.context_lens
+        if tables.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError("block tables and context lengths must be int64")
+        if not (tables.is_contiguous() and lens.is_contiguous()):
+            raise ValueError("block tables and context lengths must be contiguous")
+        if lens.dim() != 1 or tables.dim() != 2 or tables.shape[0] != lens.shape[0]:
+            raise ValueError("one block table and one context length per query row")
+        capacity = tables.shape[1] * self.block_size
+        if lens.numel() and int(lens.max()) > min(self.max_context_len, capacity):
+            raise ValueError("a context is longer than the scores width or its block table")
 
 
 def load_kernel(

@@ -27,7 +27,10 @@ class TokenReply:
     type: str = "token"
 
     def encode(self) -> bytes:
-        return pack(_reply_map(self))
+        d = to_map(self)
+        if self.text_offset is None:  # absent, not nil
+            del d["text_offset"]
+        return pack(d)
 
 
 @dataclass(frozen=True)
@@ -90,13 +93,6 @@ def decode_replies(body: bytes, max_bytes: int) -> list[Reply]:
     if not isinstance(items, list) or not 0 < len(items) <= MAX_BATCH_REPLIES:
         raise ProtocolError(ErrorCode.INTERNAL, "malformed batch: replies must be a short list")
     return [_reply(expect_map(item, "batched reply")) for item in items]
-
-
-def _reply_map(reply: Reply) -> dict[str, Any]:
-    d = to_map(reply)
-    if d.get("text_offset", 0) is None:  # a token reply without one: absent, not nil
-        del d["text_offset"]
-    return d
 
 
 def _reply(d: dict[str, Any]) -> Reply:

@@ -17,7 +17,7 @@ from shared.engine.attention import (
     TorchDecodeMetadata,
     select_backend,
 )
-from shared.engine.cpu_attention import DecodeKernel, build, load_kernel
+from shared.engine.cpu_attention import DecodeKernel, KernelBatch, build, load_kernel
 
 CPU = torch.device("cpu")
 
@@ -114,8 +114,9 @@ def test_a_batch_split_across_threads_gives_the_same_numbers(tmp_path: Path) -> 
     pool, q, _, _, tables, lens, _ = _case(37, 8, 4, 32, 16, 90, seed=3)
     bt = _tables(tables)
     cl = torch.tensor(lens)
-    a = one.attend(q, pool, bt, cl, max(lens), 0.2)
-    b = four.attend(q, pool, bt, cl, max(lens), 0.2)
+    rows = KernelBatch(bt, cl, max(lens), pool.shape[2])
+    a = one.attend(q, pool, rows, 0.2)
+    b = four.attend(q, pool, rows, 0.2)
     assert torch.equal(a, b)  # each row is computed the same way whichever thread runs it
 
 
@@ -124,15 +125,17 @@ def test_inputs_it_cannot_read_are_refused(kernel: DecodeKernel) -> None:
     bt = _tables(tables)
     cl = torch.tensor(lens)
     with pytest.raises(ValueError, match="fp32"):
-        kernel.attend(q.double(), pool, bt, cl, max(lens), 1.0)
+        kernel.attend(q.double(), pool, KernelBatch(bt, cl, max(lens), 16), 1.0)
     with pytest.raises(ValueError, match="int64"):
-        kernel.attend(q, pool, bt.int(), cl, max(lens), 1.0)
+        KernelBatch(bt.int(), cl, max(lens), 16)
     with pytest.raises(ValueError, match="longer"):
-        kernel.attend(q, pool, bt, cl, max(lens) - 1, 1.0)
+        KernelBatch(bt, cl, max(lens) - 1, 16)
     with pytest.raises(ValueError, match="longer"):
-        kernel.attend(q, pool, bt[:, :1].contiguous(), cl, max(lens), 1.0)
+        KernelBatch(bt[:, :1].contiguous(), cl, max(lens), 16)
     with pytest.raises(ValueError, match="one block table"):
-        kernel.attend(q, pool, bt[:2], cl, max(lens), 1.0)
+        KernelBatch(bt[:2], cl, max(lens), 16)
+    with pytest.raises(ValueError, match="one block table"):
+        kernel.attend(q[:2], pool, KernelBatch(bt, cl, max(lens), 16), 1.0)
 
 
 def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
