@@ -1,10 +1,20 @@
 """The baselines every bench run measures beside Baton, on the same prompt token ids: the
-machine's fp32 matmul rate (the compute floor), HF ``generate`` and vLLM's CPU backend."""
+machine's fp32 matmul rate (the compute floor), HF ``generate`` and vLLM's CPU backend.
+
+HF runs in the bench's own process with MKL as its users get it. Where Baton's services choose
+MKL's kernels by CPU features instead (an AMD CPU, shared/native/mkl_dispatch.py), the matmul
+rate and HF ``generate`` are measured again in a child process that makes the same choice
+(``python -m loadtest.baselines``, JSON in and out), so the report shows how much of Baton's
+lead is the kernels and how much the serving.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +27,8 @@ from loadtest.vllm_baseline import default_vllm_python, run_vllm_baseline
 from loadtest.workload import (
     RequestSpec,
 )
+from shared.config import BatonConfig
+from shared.native import mkl_dispatch
 
 
 def measure_matmul(
@@ -104,3 +116,41 @@ def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[Request
     if "skipped" in result:
         say(f"vLLM-CPU baseline skipped: {result['skipped']}")
     return result
+
+
+def same_kernels_baselines(
+    model_cfg: dict[str, Any], rows: list[int], model_dir: Path, specs: list[RequestSpec] | None,
+    batch_size: int,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The matmul rate and (``specs`` given) HF ``generate`` under the services' MKL kernel
+    choice, in a child process; None where that choice is what this process already has."""
+    env = mkl_dispatch.preload_env(BatonConfig.from_env().mkl_dispatch, os.environ)
+    if env is None or mkl_dispatch.preloaded():
+        return None
+    say("matmul rate and HF generate again with MKL's kernels chosen by CPU features...")
+    job = {
+        "model_cfg": model_cfg, "rows": rows, "model_dir": str(model_dir),
+        "batch_size": batch_size,
+        "specs": None if specs is None
+        else [[list(s.prompt_token_ids), s.max_tokens] for s in specs],
+    }  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.baselines"], input=json.dumps(job), env=env,
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def _child() -> None:
+    """``same_kernels_baselines``' child: a job on stdin, one JSON line on stdout."""
+    job = json.loads(sys.stdin.read())
+    out: dict[str, Any] = {"matmul_gflops": measure_matmul(job["model_cfg"], job["rows"])}
+    if job["specs"] is not None:
+        specs = [RequestSpec(tuple(ids), n) for ids, n in job["specs"]]
+        out["hf"] = hf_baseline(Path(job["model_dir"]), specs, job["batch_size"])
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _child()

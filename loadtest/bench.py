@@ -7,10 +7,12 @@
     python -m loadtest.bench --spawn --mixed              # shorts + a burst of long prompts
     python -m loadtest.bench                              # against the Baton at BATON_AMQP_URL
 
-A run: resolve the model dir; time a torch.mm of the model's shapes, HF ``generate`` and vLLM-CPU
+A run: resolve the model dir; time a torch.mm of the model's shapes, HF ``generate`` (again on
+MKL's feature-chosen kernels where the services use those: loadtest/baselines.py) and vLLM-CPU
 (``loadtest/vllm_baseline.py`` in its own virtualenv: ``scripts/setup_vllm_baseline.sh``) on the
 same prompt token ids *before* Baton starts (so they do not share the cores); start Baton if
-``--spawn`` (in its own vhost); warm up; run the workload(s), each profiled with ``--spawn``
+``--spawn`` (in its own vhost); warm up (one request, then ``--warmup-passes`` untimed passes of
+the workload's shape); run the workload(s), each profiled with ``--spawn``
 (``loadtest/stage_profile.py``: CPU per process, time per stage, broker traffic); stop Baton;
 report; write JSON and PNGs. Latencies are the client's view; definitions in loadtest/workload.py.
 """
@@ -29,7 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import stage_profile
-from loadtest.baselines import hf_baseline, measure_matmul, vllm_baseline
+from loadtest.baselines import (
+    hf_baseline,
+    measure_matmul,
+    same_kernels_baselines,
+    vllm_baseline,
+)
 from loadtest.mixed import mixed_main
 from loadtest.overhead import fixed_overhead_main
 from loadtest.serving import finite, run_load, say, settle, target_for, warm_up
@@ -149,8 +156,15 @@ def main(argv: list[str] | None = None) -> int:
 
     mm_rows = sorted({min(args.max_concurrency or args.num_requests, 256), 2048})
     matmul = measure_matmul(model_cfg, mm_rows)
-    peak_gflops = max(matmul.values())
     baseline = None if args.no_baseline else hf_baseline(model_dir, workloads[0], args.hf_batch)
+    same = same_kernels_baselines(
+        model_cfg, mm_rows, model_dir, None if args.no_baseline else workloads[0], args.hf_batch
+    )
+    hf_same = same.get("hf") if same else None
+    if hf_same:
+        hf_same.pop("token_ids")
+    # The floor is the hardware's: the faster of the two kernel choices.
+    peak_gflops = max([*matmul.values(), *(same["matmul_gflops"].values() if same else [])])
     max_pos = int(model_cfg.get("max_position_embeddings") or 2048)
     vllm = vllm_baseline(args, model_dir, workloads[0], max_pos)
     reference = {"vllm": vllm.pop("token_ids", None),
@@ -168,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     with target_for(args, model_dir) as target:
         warm_s = asyncio.run(warm_up(target.url, vocab_size, args.startup_timeout))
         say(f"Baton serving (warm-up took {warm_s:.1f}s)")
+        for n in range(args.warmup_passes):
+            # Steady state, as a server runs: the first full-size pass through a fresh pipeline
+            # ran 10-30% slower than the next ones (the broker, allocators, caches at a new
+            # size); the engine alone shows no such start. The baselines warm up too (vLLM also
+            # runs a forward of its full token budget at start). Prompts of another seed.
+            _, warm_pass_s, _ = load(target.url, workload(math.inf, args.seed + 2 + n), "warm-up")
+            say(f"warm-up pass {n + 1}: {out_tokens(workloads[0]) / warm_pass_s:.0f} tok/s")
         say(f"services idle after {settle(target.up_pid):.1f}s more")
         for rate, specs in zip(rates, workloads, strict=True):
             label = "all at once" if math.isinf(rate) else f"{rate:g} req/s"
@@ -196,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": _environment(),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "matmul_gflops": matmul,
+        "matmul_gflops_mkl_by_features": same["matmul_gflops"] if same else None,
         "baseline_hf": baseline,
+        "baseline_hf_mkl_by_features": hf_same,
         "baseline_vllm": vllm,
         "runs": [],
     }
@@ -204,14 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(run["results"], run["duration"], slo)
         flops = workload_flops(model_cfg, specs)
         floor_s = flops["total"] / (peak_gflops * 1e9)
-        out_tokens = sum(s.max_tokens for s in specs)
         floor = {**flops, "peak_gflops": peak_gflops, "floor_s": floor_s,
-                 "floor_output_throughput": out_tokens / floor_s}  # fmt: skip
+                 "floor_output_throughput": out_tokens(specs) / floor_s}  # fmt: skip
         # The baselines ran the first workload; a sweep's other rates have the same prompts.
         agreement = {name: greedy_agreement(run["outputs"], ref)
                      for name, ref in reference.items() if ref is not None}  # fmt: skip
         print(format_summary(summary, title=f"Baton, {_label(run['rate'])}", slo=slo))
-        _print_comparison(summary, baseline, vllm, floor, agreement)
+        _print_comparison(summary, baseline, hf_same, vllm, floor, agreement)
         if run["profile"] is not None:
             print(stage_profile.format_profile(run["profile"]))
         report["runs"].append({
@@ -235,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["summary"]["failed"] == 0 for r in report["runs"]) else 1
 
 
+def out_tokens(specs: list[RequestSpec]) -> int:
+    return sum(s.max_tokens for s in specs)
+
+
 def _label(rate: float) -> str:
     return "all requests at once" if math.isinf(rate) else f"Poisson {rate:g} req/s"
 
@@ -242,6 +268,7 @@ def _label(rate: float) -> str:
 def _print_comparison(
     s: Summary,
     hf: dict[str, Any] | None,
+    hf_same: dict[str, Any] | None,
     vllm: dict[str, Any],
     floor: dict[str, Any],
     agreement: dict[str, dict[str, float]],
@@ -261,6 +288,9 @@ def _print_comparison(
     if hf is not None:
         line(f"HF generate (batch {hf['batch_size']}) tokens/s:", f"{hf['output_throughput']:.1f}")
         line("Baton / HF:", f"{ours / hf['output_throughput']:.2f}x")
+    if hf_same is not None:  # only where the services choose MKL's kernels by CPU features
+        line("HF on Baton's MKL kernels, tokens/s:", f"{hf_same['output_throughput']:.1f}")
+        line("Baton / HF on the same kernels:", f"{ours / hf_same['output_throughput']:.2f}x")
     for name, a in agreement.items():
         line(f"Greedy agreement with {name}, exact:", f"{100 * a['exact']:.1f}%")
         line("  tokens before the first difference:", f"{100 * a['prefix']:.1f}%")
@@ -301,6 +331,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds")
     p.add_argument("--no-baseline", action="store_true", help="skip HF generate")
+    p.add_argument(
+        "--warmup-passes", type=int, default=1,
+        help="untimed all-at-once passes of the workload's shape (other prompts) before measuring",
+    )  # fmt: skip
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument(
         "--vllm-python",

@@ -17,6 +17,7 @@ import structlog
 
 from services.shell.registry import NAMES, SERVICES, port_offset, spec
 from shared.config import BatonConfig
+from shared.native import mkl_dispatch
 from shared.observability.logging import configure_logging
 
 log = structlog.get_logger("services")
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     BatonConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     config = BatonConfig.from_args(args)
+    # Before torch loads (may re-execute this process; `up`'s children inherit the result).
+    mkl_dispatch.ensure(config.mkl_dispatch)
     if args.service == "up":
         return run_all(config)
     run_one(args.service, config)

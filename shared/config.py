@@ -54,6 +54,10 @@ class BatonConfig:
     # shared/engine/csrc (compiled on first use; the torch path if no C compiler), "torch" = the
     # torch path. See shared/engine/cpu_attention.py.
     cpu_attention: str = "auto"
+    # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512 on
+    # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library
+    # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See shared/engine/mkl_dispatch.py.
+    mkl_dispatch: str = "features"
     # --- limits -------------------------------------------------------------------------------
     max_model_len: int = 2048
     max_prompt_tokens: int = 1536

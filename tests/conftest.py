@@ -1,15 +1,34 @@
-"""Without CUDA, run the Triton kernels in Triton's CPU interpreter.
+"""Process-wide settings that must precede torch, or any kernel module (``pytest_configure``
+runs after this conftest loads and before any test module is collected).
 
-This must happen before any kernel module is imported: triton.jit decides at decoration time
-whether a kernel is compiled or interpreted. It lives in the top-level conftest, which pytest
-loads before any test module: a module that builds a tiny model at import (transformers then
+MKL's kernels: the session re-executes itself, before torch loads, with the kernel choice the
+services make (shared/native/mkl_dispatch.py), so HF's reference in this process and the
+engines it compares against round alike. Output capture stops first: the new process would
+otherwise inherit pytest's capture files as its stdout and stderr.
+
+Without CUDA, run the Triton kernels in Triton's CPU interpreter: triton.jit decides at
+decoration time whether a kernel is compiled or interpreted, so this must come before any
+kernel module is imported. A module that builds a tiny model at import (transformers then
 probes for a package named ``kernels`` and finds ours) would otherwise decorate the kernels
 first — which is what a clean clone, with no model built yet, did.
 """
 
 import os
 
-import torch
+import pytest
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from shared.config import BatonConfig
+from shared.native import mkl_dispatch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    env = mkl_dispatch.reexec_env(BatonConfig.from_env().mkl_dispatch)
+    if env is not None:
+        capture = config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.stop_global_capturing()
+        mkl_dispatch.reexec(env)
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"

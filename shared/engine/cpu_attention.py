@@ -16,12 +16,7 @@ returns None and the torch path serves (one warning).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,9 +25,11 @@ from pathlib import Path
 import structlog
 import torch
 
+from shared.native.build import CSRC, build_library, default_cache_dir
+
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
+SOURCE = CSRC / "paged_decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 # Rows of the batch per thread below which splitting costs more than it saves.
 MIN_ROWS_PER_THREAD = 8
@@ -138,65 +135,8 @@ def load_kernel(
     """Build (once per machine and source) and load the kernel; None if it cannot be built."""
     threads = torch.get_num_threads() if num_threads is None else num_threads
     try:
-        path = build(cache_dir or default_cache_dir())
+        path = build_library(SOURCE, FLAGS, cache_dir or default_cache_dir())
         return DecodeKernel(ctypes.CDLL(str(path)), path, threads)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("C decode attention unavailable; using the torch path", error=str(exc))
         return None
-
-
-def build(cache_dir: Path) -> Path:
-    """The compiled library for this source, compiler, flags and CPU (built if missing).
-    Concurrent builders (prefill and decode starting together) each write a private file and
-    rename it into place, so a reader never sees half a library."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (set CC, or install gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature())).encode()
-    ).hexdigest()[:16]
-    path = cache_dir / f"paged_decode_attention-{key}.so"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built C decode attention", path=str(path))
-    return path
-
-
-def default_cache_dir() -> Path:
-    """``$BATON_CACHE_DIR``, else ``$XDG_CACHE_HOME/baton``, else ``~/.cache/baton``; a
-    per-user temp directory where that is not writable (a read-only home in a container)."""
-    env = os.environ.get("BATON_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"baton-cache-{os.getuid()}"
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-        return "\n".join(dict.fromkeys(keep))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"

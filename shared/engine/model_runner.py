@@ -24,6 +24,7 @@ from shared.engine.loader import load_model, parse_dtype
 from shared.engine.model_config import ModelConfig
 from shared.engine.sampler import Sampler
 from shared.engine.sequence import Sequence
+from shared.native import mkl_dispatch
 
 log = structlog.get_logger(__name__)
 
@@ -99,6 +100,7 @@ class ModelRunner:
             kv_cache_mb=round(self.kv_cache.numel() * kv_dtype.itemsize / 2**20, 1),
             kv_cache_dtype=self.kv_codec.name,
             attention=self.attn_backend.name,
+            mkl_kernels="by features" if mkl_dispatch.preloaded() else "stock",
         )
 
     @property

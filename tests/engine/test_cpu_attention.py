@@ -17,7 +17,8 @@ from shared.engine.attention import (
     TorchDecodeMetadata,
     select_backend,
 )
-from shared.engine.cpu_attention import DecodeKernel, KernelBatch, build, load_kernel
+from shared.engine.cpu_attention import FLAGS, SOURCE, DecodeKernel, KernelBatch, load_kernel
+from shared.native.build import build_library
 
 CPU = torch.device("cpu")
 
@@ -139,9 +140,9 @@ def test_inputs_it_cannot_read_are_refused(kernel: DecodeKernel) -> None:
 
 
 def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
-    first = build(tmp_path)
+    first = build_library(SOURCE, FLAGS, tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert build_library(SOURCE, FLAGS, tmp_path) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 

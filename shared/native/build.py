@@ -1,0 +1,91 @@
+"""Compile a C source of ``csrc/`` into a shared library, once per machine.
+
+Torch-free on purpose: the MKL dispatch library (``mkl_dispatch.py``) is built before the
+process has loaded torch. A library is keyed by its source, flags, compiler and CPU (flags may
+say ``-march=native``), cached in :func:`default_cache_dir`, and written under a private name
+then renamed into place, so concurrent builders (prefill and decode starting together) never
+load half a library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# The C sources live beside the engine that loads most of them.
+CSRC = Path(__file__).parents[1] / "engine" / "csrc"
+
+
+def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path) -> Path:
+    """The compiled library (built if missing); RuntimeError without a working compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        "\0".join((source.read_text(), " ".join(flags), version, cpu_signature())).encode()
+    ).hexdigest()[:16]
+    path = cache_dir / f"{source.stem}-{key}.so"
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built a C library", path=str(path))
+    return path
+
+
+def default_cache_dir() -> Path:
+    """``$BATON_CACHE_DIR``, else ``$XDG_CACHE_HOME/baton``, else ``~/.cache/baton``; a
+    per-user temp directory where that is not writable (a read-only home in a container)."""
+    env = os.environ.get("BATON_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"baton-cache-{os.getuid()}"
+
+
+def cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(keep))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def cpu_vendor() -> str | None:
+    """``vendor_id`` of /proc/cpuinfo (``AuthenticAMD``, ``GenuineIntel``); None elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
