@@ -85,6 +85,7 @@ def _tables(tables: list[list[int]]) -> torch.Tensor:
         (4, 2, 16, 16),  # the tiny model: generic head size
         (6, 2, 80, 8),  # generic size, group 3, small blocks
         (2, 2, 32, 32),  # large blocks
+        (4, 2, 24, 16),  # not a multiple of 16: the scalar scores loop
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
