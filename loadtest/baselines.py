@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -54,8 +55,11 @@ def measure_matmul(
     return out
 
 
-def hf_baseline(model_dir: Path, specs: list[RequestSpec], batch_size: int) -> dict[str, Any]:
-    """HF ``generate``, fp32 greedy, EOS suppressed (min_new_tokens), left-padded batches.
+def hf_baseline(
+    model_dir: Path, specs: list[RequestSpec], batch_size: int, repeats: int = 1
+) -> dict[str, Any]:
+    """HF ``generate``, fp32 greedy, EOS suppressed (min_new_tokens), left-padded batches;
+    ``repeats`` timed runs, the median counts.
 
     A batch generates its longest requested output; only requested tokens are counted."""
     import torch
@@ -84,14 +88,18 @@ def hf_baseline(model_dir: Path, specs: list[RequestSpec], batch_size: int) -> d
         return [out[row, width : width + s.max_tokens].tolist() for row, s in enumerate(batch)]
 
     run(specs[:2])  # warm-up, untimed (as Baton's warm-up request)
-    t0 = time.perf_counter()
-    for start in tqdm(range(0, len(specs), batch_size), desc="HF generate", file=sys.stderr):
-        outputs.extend(run(specs[start : start + batch_size]))
-    elapsed = time.perf_counter() - t0
+    runs: list[float] = []
+    for _ in tqdm(range(repeats), desc="HF generate", file=sys.stderr):
+        t0 = time.perf_counter()
+        batches = [run(specs[i : i + batch_size]) for i in range(0, len(specs), batch_size)]
+        runs.append(time.perf_counter() - t0)
+        outputs = outputs or [ids for batch in batches for ids in batch]
+    elapsed = statistics.median(runs)
     out_tokens = sum(s.max_tokens for s in specs)
     return {
         "batch_size": batch_size,
         "elapsed_s": elapsed,
+        "elapsed_runs_s": runs,
         "output_tokens": out_tokens,
         "output_throughput": out_tokens / elapsed,
         "request_throughput": len(specs) / elapsed,
@@ -110,7 +118,7 @@ def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[Request
     say(f"vLLM-CPU baseline with {python} (starting vLLM takes a minute)...")
     result = run_vllm_baseline(
         python, model_dir, [(list(s.prompt_token_ids), s.max_tokens) for s in specs],
-        max_model_len=min(max_positions, max(512, need)),
+        max_model_len=min(max_positions, max(512, need)), repeats=args.repeats,
         log_path=Path(args.out_json).with_suffix(".vllm.log"),
     )  # fmt: skip
     if "skipped" in result:
@@ -120,7 +128,7 @@ def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[Request
 
 def same_kernels_baselines(
     model_cfg: dict[str, Any], rows: list[int], model_dir: Path, specs: list[RequestSpec] | None,
-    batch_size: int,
+    batch_size: int, repeats: int,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The matmul rate and (``specs`` given) HF ``generate`` under the services' MKL kernel
     choice, in a child process; None where that choice is what this process already has."""
@@ -130,7 +138,7 @@ def same_kernels_baselines(
     say("matmul rate and HF generate again with MKL's kernels chosen by CPU features...")
     job = {
         "model_cfg": model_cfg, "rows": rows, "model_dir": str(model_dir),
-        "batch_size": batch_size,
+        "batch_size": batch_size, "repeats": repeats,
         "specs": None if specs is None
         else [[list(s.prompt_token_ids), s.max_tokens] for s in specs],
     }  # fmt: skip
@@ -148,7 +156,7 @@ def _child() -> None:
     out: dict[str, Any] = {"matmul_gflops": measure_matmul(job["model_cfg"], job["rows"])}
     if job["specs"] is not None:
         specs = [RequestSpec(tuple(ids), n) for ids, n in job["specs"]]
-        out["hf"] = hf_baseline(Path(job["model_dir"]), specs, job["batch_size"])
+        out["hf"] = hf_baseline(Path(job["model_dir"]), specs, job["batch_size"], job["repeats"])
     print(json.dumps(out))
 
 

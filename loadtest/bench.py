@@ -12,7 +12,9 @@ MKL's feature-chosen kernels where the services use those: loadtest/baselines.py
 (``loadtest/vllm_baseline.py`` in its own virtualenv: ``scripts/setup_vllm_baseline.sh``) on the
 same prompt token ids *before* Baton starts (so they do not share the cores); start Baton if
 ``--spawn`` (in its own vhost); warm up (one request, then ``--warmup-passes`` untimed passes of
-the workload's shape); run the workload(s), each profiled with ``--spawn``
+the workload's shape); run the workload(s) ``--repeats`` times (3; the baselines too; medians
+count, since this kind of shared machine drifts by tens of percent from minute to minute), each
+profiled with ``--spawn``
 (``loadtest/stage_profile.py``: CPU per process, time per stage, broker traffic); stop Baton;
 report; write JSON and PNGs. Latencies are the client's view; definitions in loadtest/workload.py.
 """
@@ -156,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
 
     mm_rows = sorted({min(args.max_concurrency or args.num_requests, 256), 2048})
     matmul = measure_matmul(model_cfg, mm_rows)
-    baseline = None if args.no_baseline else hf_baseline(model_dir, workloads[0], args.hf_batch)
+    hf_specs = None if args.no_baseline else workloads[0]
+    baseline = None
+    if hf_specs is not None:
+        baseline = hf_baseline(model_dir, hf_specs, args.hf_batch, args.repeats)
     same = same_kernels_baselines(
-        model_cfg, mm_rows, model_dir, None if args.no_baseline else workloads[0], args.hf_batch
+        model_cfg, mm_rows, model_dir, hf_specs, args.hf_batch, args.repeats
     )
     hf_same = same.get("hf") if same else None
     if hf_same:
@@ -192,7 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         say(f"services idle after {settle(target.up_pid):.1f}s more")
         for rate, specs in zip(rates, workloads, strict=True):
             label = "all at once" if math.isinf(rate) else f"{rate:g} req/s"
-            results, duration, outputs = load(target.url, specs, label)
+            # --repeats timed passes, the median counts (as for the baselines); the first pass
+            # runs the baselines' prompts (greedy agreement), the others prompts of new seeds
+            # (the prefix cache must not serve them).
+            passes = [load(target.url, specs, label)]
+            passes += [load(target.url, workload(rate, args.seed + 3 + k), f"{label}, again")
+                       for k in range(args.repeats - 1)]  # fmt: skip
+            outputs = passes[0][2]
+            results, duration, _ = sorted(passes, key=lambda p: p[1])[len(passes) // 2]
+            pass_s = [p[1] for p in passes]
             profile = None
             if not args.no_profile:
                 # A second pass, profiled, so the profiler's own CPU (py-spy, ~5% of two cores)
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{label}, second pass under the profiler", len(again), profiled_s
                 )
             runs.append({"rate": rate, "results": results, "duration": duration,
-                         "outputs": outputs, "profile": profile})  # fmt: skip
+                         "pass_s": pass_s, "outputs": outputs, "profile": profile})  # fmt: skip
 
     report: dict[str, Any] = {
         "config": vars(args),
@@ -233,12 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         agreement = {name: greedy_agreement(run["outputs"], ref)
                      for name, ref in reference.items() if ref is not None}  # fmt: skip
         print(format_summary(summary, title=f"Baton, {_label(run['rate'])}", slo=slo))
+        if len(run["pass_s"]) > 1:
+            each = ", ".join(f"{out_tokens(specs) / t:.0f}" for t in run["pass_s"])
+            print(f"Baton passes, output tok/s: {each} (the median counts)")
         _print_comparison(summary, baseline, hf_same, vllm, floor, agreement)
         if run["profile"] is not None:
             print(stage_profile.format_profile(run["profile"]))
         report["runs"].append({
             "rate": None if math.isinf(run["rate"]) else run["rate"],
             "summary": summary.to_dict(), "compute_floor": floor, "greedy_agreement": agreement,
+            "pass_output_throughputs": [out_tokens(specs) / t for t in run["pass_s"]],
             "profile": run["profile"], "requests": [r.to_dict() for r in run["results"]],
         })  # fmt: skip
 
@@ -331,6 +348,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds")
     p.add_argument("--no-baseline", action="store_true", help="skip HF generate")
+    p.add_argument(
+        "--repeats", type=int, default=3,
+        help="timed runs of Baton, HF and vLLM each (new prompts / a reset prefix cache per "
+        "repeat); the median counts",
+    )  # fmt: skip
     p.add_argument(
         "--warmup-passes", type=int, default=1,
         help="untimed all-at-once passes of the workload's shape (other prompts) before measuring",
