@@ -29,9 +29,8 @@ print(json.dumps({"preload": os.environ.get("LD_PRELOAD", ""),
 
 
 def run_child(mode: str) -> dict[str, str]:
-    env = mkl_dispatch.stock_env(dict(os.environ))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, check=True
+    done = subprocess.run(  # inherits this session's environment, preload included
+        [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True
     )
     result: dict[str, str] = json.loads(done.stdout.splitlines()[-1])
     return result
@@ -66,6 +65,18 @@ def test_the_environment_keeps_other_preloads(
     assert mkl_dispatch.preload_env("features", env) == env  # already there: unchanged
     assert mkl_dispatch.stock_env(env) == {"LD_PRELOAD": "/opt/a.so /opt/b.so", "X": "1"}
     assert mkl_dispatch.stock_env({"LD_PRELOAD": first}) == {}
+
+
+def test_stock_drops_an_inherited_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    inherited = "/cache/mkl_vendor_check-0123.so /opt/a.so"
+    monkeypatch.setenv("LD_PRELOAD", inherited)
+    assert mkl_dispatch.reexec_env("stock") == {
+        **mkl_dispatch.stock_env(os.environ),
+        "LD_PRELOAD": "/opt/a.so",
+    }
+    assert mkl_dispatch.reexec_env("features") is None  # already there
+    monkeypatch.setenv("LD_PRELOAD", "/opt/a.so")
+    assert mkl_dispatch.reexec_env("stock") is None
 
 
 def test_no_reexecution_once_torch_is_loaded() -> None:

@@ -69,15 +69,19 @@ def preload_env(mode: str, env: Mapping[str, str]) -> dict[str, str] | None:
 
 def ensure(mode: str) -> None:
     """Re-execute this process with the library preloaded if ``mode`` asks for it here and it
-    is not preloaded yet; otherwise return. Call before torch is imported."""
+    is not preloaded yet (without it if ``stock`` and it is); otherwise return. Call before
+    torch is imported."""
     env = reexec_env(mode)
     if env is not None:
         reexec(env)
 
 
 def reexec_env(mode: str) -> dict[str, str] | None:
-    """The environment :func:`ensure` would re-execute this process with; None: no need."""
-    return None if preloaded() else preload_env(mode, os.environ)
+    """The environment :func:`ensure` would re-execute this process with; None: no need. A
+    process started with the library (a parent's choice) under ``stock`` drops it."""
+    if preloaded():
+        return stock_env(os.environ) if mode == "stock" else None
+    return preload_env(mode, os.environ)
 
 
 def reexec(env: dict[str, str]) -> None:
