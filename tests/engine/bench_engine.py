@@ -18,10 +18,16 @@ import math
 import statistics
 import time
 
-import torch
+from shared.config import BatonConfig
+from shared.native import mkl_dispatch
 
-from shared.engine import BlockManager, SamplingParams, Sequence
-from tests.engine.helpers import make_runner, tiny_model_dir
+if __name__ == "__main__":  # the engine's MKL kernels, as the services choose them
+    mkl_dispatch.ensure(BatonConfig.from_env().mkl_dispatch)
+
+import torch  # noqa: E402  (after the re-execution above)
+
+from shared.engine import BlockManager, SamplingParams, Sequence  # noqa: E402
+from tests.engine.helpers import make_runner, tiny_model_dir  # noqa: E402
 
 
 def bench_engine(args: argparse.Namespace) -> dict[str, float]:
