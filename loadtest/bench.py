@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             # Steady state, as a server runs: the first full-size pass through a fresh pipeline
             # ran 10-30% slower than the next ones (the broker, allocators, caches at a new
             # size); the engine alone shows no such start. The baselines warm up too (vLLM also
-            # runs a forward of its full token budget at start). Prompts of another seed.
-            _, warm_pass_s, _ = load(target.url, workload(math.inf, args.seed + 2 + n), "warm-up")
+            # runs a forward of its full token budget at start). Prompts of other seeds.
+            warm = workload(math.inf, args.seed + 1000 + n)
+            _, warm_pass_s, _ = load(target.url, warm, "warm-up")
             say(f"warm-up pass {n + 1}: {out_tokens(workloads[0]) / warm_pass_s:.0f} tok/s")
         say(f"services idle after {settle(target.up_pid):.1f}s more")
         for rate, specs in zip(rates, workloads, strict=True):
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             # runs the baselines' prompts (greedy agreement), the others prompts of new seeds
             # (the prefix cache must not serve them).
             passes = [load(target.url, specs, label)]
-            passes += [load(target.url, workload(rate, args.seed + 3 + k), f"{label}, again")
+            passes += [load(target.url, workload(rate, args.seed + 2000 + k), f"{label}, again")
                        for k in range(args.repeats - 1)]  # fmt: skip
             outputs = passes[0][2]
             results, duration, _ = sorted(passes, key=lambda p: p[1])[len(passes) // 2]
