@@ -166,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         model_cfg, mm_rows, model_dir, hf_specs, args.hf_batch, args.repeats
     )
     hf_same = same.get("hf") if same else None
-    if hf_same:
-        hf_same.pop("token_ids")
     # The floor is the hardware's: the faster of the two kernel choices.
     peak_gflops = max([*matmul.values(), *(same["matmul_gflops"].values() if same else [])])
     max_pos = int(model_cfg.get("max_position_embeddings") or 2048)
@@ -190,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.warmup_passes):
             # Steady state, as a server runs: the first full-size pass through a fresh pipeline
             # ran 10-30% slower than the next ones (the broker, allocators, caches at a new
-            # size); the engine alone shows no such start. The baselines warm up too (vLLM also
-            # runs a forward of its full token budget at start). Prompts of other seeds.
+            # size); the engine alone shows no such start. The baselines get untimed warm-ups
+            # too, and their medians of --repeats. Prompts of other seeds.
             warm = workload(math.inf, args.seed + 1000 + n)
             _, warm_pass_s, _ = load(target.url, warm, "warm-up")
             say(f"warm-up pass {n + 1}: {out_tokens(workloads[0]) / warm_pass_s:.0f} tok/s")

@@ -48,8 +48,6 @@ static inline void scores_one(const float *restrict q, const float *restrict k_p
             }
         }
     }
-    for (int64_t hq = 0; hq < num_heads; hq++)
-        for (int64_t t = len; t < stride; t++) scores[hq * stride + t] = -INFINITY;
 }
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
@@ -125,8 +123,6 @@ static inline void scores_one_vec(const float *restrict q, const float *restrict
             memcpy(scores + hq * stride + t0, out, (size_t)n * sizeof *out);
         }
     }
-    for (int64_t hq = 0; hq < num_heads; hq++)
-        for (int64_t t = len; t < stride; t++) scores[hq * stride + t] = -INFINITY;
 }
 #endif
 
@@ -191,6 +187,8 @@ void baton_paged_decode_scores_f32(const float *q, const float *k_pool,
         const float *qb = q + b * num_heads * head_dim;
         float *sb = scores + b * num_heads * stride;
         SPECIALISED(SCORES, head_dim, qb, block_tables + b * max_blocks, context_lens[b], sb)
+        for (int64_t hq = 0; hq < num_heads; hq++) /* the padding, whichever loop scored */
+            for (int64_t t = context_lens[b]; t < stride; t++) sb[hq * stride + t] = -INFINITY;
     }
 }
 
