@@ -8,17 +8,17 @@ summation order (tests/engine/test_cpu_attention.py sweeps shapes against it).
 
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
 this CPU (``-march=native``) into a cache directory keyed by the source, the flags, the compiler
-and the CPU, and loaded with ctypes; calls release the GIL, so a batch is split across
-``torch.get_num_threads()`` Python threads. No compiler, or a failed build: ``load_kernel``
-returns None and the torch path serves (one warning).
+and the CPU, and loaded with ctypes (calls release the GIL). A batch is split across
+``torch.get_num_threads()`` threads (read at each call) that the C code starts itself. No
+compiler, or a failed build: ``load_kernel`` returns None and the torch path serves (one
+warning).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from shared.native.build import CSRC, build_library, default_cache_dir
 log = structlog.get_logger(__name__)
 
 SOURCE = CSRC / "paged_decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread")
 # Rows of the batch per thread below which splitting costs more than it saves.
 MIN_ROWS_PER_THREAD = 8
 
@@ -38,9 +38,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class DecodeKernel:
-    """The loaded library: two passes, each over a batch range (see the C file)."""
+    """The loaded library: two passes, each splitting the batch on threads of its own (see the
+    C file)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, num_threads: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
         self.path = path
         self._scores = lib.baton_paged_decode_scores_f32
         self._scores.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
@@ -48,8 +49,7 @@ class DecodeKernel:
         self._values = lib.baton_paged_decode_values_f32
         self._values.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P]
         self._values.restype = None
-        self.num_threads = max(1, num_threads)
-        self._pool = ThreadPoolExecutor(self.num_threads - 1) if self.num_threads > 1 else None
+        self.max_threads = max(1, max_threads)
 
     def attend(
         self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelBatch, scale: float
@@ -65,45 +65,26 @@ class DecodeKernel:
             raise ValueError(f"q {tuple(q.shape)} does not match the pool {tuple(kv_layer.shape)}")
         if batch != rows.context_lens.shape[0] or block_size != rows.block_size:
             raise ValueError("one block table and one context length per query row, same blocks")
-        block_tables, context_lens, max_context_len = (
-            rows.block_tables,
-            rows.context_lens,
-            rows.max_context_len,
-        )
+        max_context_len = rows.max_context_len
         q = q.contiguous()
         scores = torch.empty(batch, num_heads, max_context_len)
         out = torch.empty_like(q)
-        tables, lens = block_tables.data_ptr(), context_lens.data_ptr()
-        width = block_tables.shape[1]
-        k_pool, v_pool = kv_layer[0].data_ptr(), kv_layer[1].data_ptr()
+        tables, lens = rows.block_tables.data_ptr(), rows.context_lens.data_ptr()
+        width = rows.block_tables.shape[1]
+        parts = self.parts(batch)
         dims = (num_heads, num_kv_heads, head_dim, block_size)
-
-        def score_rows(b0: int, b1: int) -> None:
-            self._scores(q.data_ptr(), k_pool, tables, width, lens, b0, b1, *dims, scale,
-                         scores.data_ptr(), max_context_len)  # fmt: skip
-
-        self._split(batch, score_rows)
+        self._scores(q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens, batch, parts,
+                     *dims, scale, scores.data_ptr(), max_context_len)  # fmt: skip
         probs = scores.softmax(-1)
-
-        def value_rows(b0: int, b1: int) -> None:
-            self._values(probs.data_ptr(), v_pool, tables, width, lens, b0, b1, *dims,
-                         max_context_len, out.data_ptr())  # fmt: skip
-
-        self._split(batch, value_rows)
+        self._values(probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens, batch, parts,
+                     *dims, max_context_len, out.data_ptr())  # fmt: skip
         return out
 
-    def _split(self, batch: int, run: Callable[[int, int], None]) -> None:
-        """``run(b0, b1)`` over the batch, in up to ``num_threads`` ranges (this thread takes
-        the first)."""
-        parts = min(self.num_threads, max(1, batch // MIN_ROWS_PER_THREAD))
-        if parts == 1 or self._pool is None:
-            run(0, batch)
-            return
-        bounds = [batch * i // parts for i in range(parts + 1)]
-        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-        run(bounds[0], bounds[1])
-        for f in futures:
-            f.result()
+    def parts(self, batch: int) -> int:
+        """Row ranges a pass splits into: torch's current thread count (up to ``max_threads``),
+        and no range under ``MIN_ROWS_PER_THREAD`` rows."""
+        threads = min(self.max_threads, torch.get_num_threads())
+        return min(threads, max(1, batch // MIN_ROWS_PER_THREAD))
 
 
 @dataclass(frozen=True)
@@ -130,10 +111,12 @@ class KernelBatch:
 
 
 def load_kernel(
-    cache_dir: Path | None = None, num_threads: int | None = None
+    cache_dir: Path | None = None, max_threads: int | None = None
 ) -> DecodeKernel | None:
-    """Build (once per machine and source) and load the kernel; None if it cannot be built."""
-    threads = torch.get_num_threads() if num_threads is None else num_threads
+    """Build (once per machine and source) and load the kernel; None if it cannot be built.
+    ``max_threads``: the most threads a call may split into (default: the cores this process
+    may run on; each call uses at most ``torch.get_num_threads()`` of them)."""
+    threads = len(os.sched_getaffinity(0)) if max_threads is None else max_threads
     try:
         path = build_library(SOURCE, FLAGS, cache_dir or default_cache_dir())
         return DecodeKernel(ctypes.CDLL(str(path)), path, threads)

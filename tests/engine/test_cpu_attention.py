@@ -19,13 +19,14 @@ from shared.engine.attention import (
 )
 from shared.engine.cpu_attention import FLAGS, SOURCE, DecodeKernel, KernelBatch, load_kernel
 from shared.native.build import build_library
+from tests.engine.helpers import torch_threads
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
-    k = load_kernel(tmp_path_factory.mktemp("kernels"), num_threads=1)
+    k = load_kernel(tmp_path_factory.mktemp("kernels"), max_threads=1)
     if k is None:
         pytest.skip("no C compiler: the torch path serves (tested elsewhere)")
     return k
@@ -110,15 +111,19 @@ def test_matches_the_reference_and_the_torch_path(
 
 
 def test_a_batch_split_across_threads_gives_the_same_numbers(tmp_path: Path) -> None:
-    one, four = load_kernel(tmp_path, num_threads=1), load_kernel(tmp_path, num_threads=4)
+    one, four = load_kernel(tmp_path, max_threads=1), load_kernel(tmp_path, max_threads=4)
     if one is None or four is None:
         pytest.skip("no C compiler")
     pool, q, _, _, tables, lens, _ = _case(37, 8, 4, 32, 16, 90, seed=3)
     bt = _tables(tables)
     cl = torch.tensor(lens)
     rows = KernelBatch(bt, cl, max(lens), pool.shape[2])
-    a = one.attend(q, pool, rows, 0.2)
-    b = four.attend(q, pool, rows, 0.2)
+    with torch_threads(4):  # a call splits into torch's thread count, up to its maximum
+        a = one.attend(q, pool, rows, 0.2)
+        b = four.attend(q, pool, rows, 0.2)
+        assert (one.parts(37), four.parts(37), four.parts(31)) == (1, 4, 3)
+    with torch_threads(2):  # fewer threads now (an engine gave back borrowed cores)
+        assert four.parts(37) == 2
     assert torch.equal(a, b)  # each row is computed the same way whichever thread runs it
 
 

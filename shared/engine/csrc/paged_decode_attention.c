@@ -11,10 +11,11 @@
  *           -inf for len[b] <= t < stride          (the softmax between the passes is torch's)
  *   values: out[b, hq] = sum over t < len[b] of probs[b, hq, t] * V[slot(b, t), hq / group]
  *
- * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both take a batch range
- * [b0, b1) so a caller can split a batch across threads (disjoint writes). Common head sizes are
+ * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both split the batch
+ * into up to `parts` row ranges on threads of their own (disjoint writes). Common head sizes are
  * specialised so the inner loops unroll into registers; any other size takes the generic loop. */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -176,32 +177,111 @@ static inline void values_one(const float *restrict probs, const float *restrict
 #define VALUES(pb, table, len, ob, D) \
     values_one(pb, v_pool, table, len, num_heads, group, D, block_size, stride, ob)
 
+/* A pass over batch rows [b0, b1): the arguments of one exported call. */
+struct pass_args {
+    const float *in;  /* q (scores) or probs (values) */
+    const float *pool;
+    const int64_t *block_tables;
+    int64_t max_blocks;
+    const int64_t *context_lens;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    float *out;  /* scores or out */
+    int64_t stride;
+};
+
+static void scores_rows(const struct pass_args *a, int64_t b0, int64_t b1)
+{
+    const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
+    const int64_t block_size = a->block_size, stride = a->stride;
+    const float *k_pool = a->pool, scale = a->scale;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *qb = a->in + b * num_heads * a->head_dim;
+        float *sb = a->out + b * num_heads * stride;
+        const int64_t len = a->context_lens[b];
+        SPECIALISED(SCORES, a->head_dim, qb, a->block_tables + b * a->max_blocks, len, sb)
+        for (int64_t hq = 0; hq < num_heads; hq++) /* the padding, whichever loop scored */
+            for (int64_t t = len; t < stride; t++) sb[hq * stride + t] = -INFINITY;
+    }
+}
+
+static void values_rows(const struct pass_args *a, int64_t b0, int64_t b1)
+{
+    const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
+    const int64_t block_size = a->block_size, stride = a->stride;
+    const float *v_pool = a->pool;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *pb = a->in + b * num_heads * stride;
+        float *ob = a->out + b * num_heads * a->head_dim;
+        SPECIALISED(VALUES, a->head_dim, pb, a->block_tables + b * a->max_blocks,
+                    a->context_lens[b], ob)
+    }
+}
+
+/* Threads of our own, not the caller's: a Python thread pool needs the GIL to start each part,
+ * and in a service the event loop thread holds it while it handles messages (a waiting thread
+ * gets it after up to the 5 ms switch interval, against passes of ~0.5 ms). Rows are independent
+ * and each is computed the same way whichever thread takes it. A thread per part per call costs
+ * ~20-50 us. */
+typedef void (*rows_fn)(const struct pass_args *, int64_t, int64_t);
+
+struct part {
+    rows_fn fn;
+    const struct pass_args *args;
+    int64_t b0, b1;
+};
+
+static void *run_part(void *p)
+{
+    const struct part *part = p;
+    part->fn(part->args, part->b0, part->b1);
+    return NULL;
+}
+
+#define MAX_PARTS 64
+
+static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int64_t parts)
+{
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
+    if (parts > batch) parts = batch;
+    if (parts <= 1) {
+        fn(a, 0, batch);
+        return;
+    }
+    struct part jobs[MAX_PARTS];
+    pthread_t threads[MAX_PARTS];
+    int started[MAX_PARTS] = {0};
+    for (int64_t i = 0; i < parts; i++)
+        jobs[i] = (struct part){fn, a, batch * i / parts, batch * (i + 1) / parts};
+    for (int64_t i = 1; i < parts; i++)
+        started[i] = pthread_create(&threads[i], NULL, run_part, &jobs[i]) == 0;
+    run_part(&jobs[0]);
+    for (int64_t i = 1; i < parts; i++) {
+        if (started[i])
+            pthread_join(threads[i], NULL);
+        else /* no thread to be had: this one does the part */
+            run_part(&jobs[i]);
+    }
+}
+
 void baton_paged_decode_scores_f32(const float *q, const float *k_pool,
                                    const int64_t *block_tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t b0, int64_t b1,
+                                   const int64_t *context_lens, int64_t batch, int64_t parts,
                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                    int64_t block_size, float scale, float *scores, int64_t stride)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *qb = q + b * num_heads * head_dim;
-        float *sb = scores + b * num_heads * stride;
-        SPECIALISED(SCORES, head_dim, qb, block_tables + b * max_blocks, context_lens[b], sb)
-        for (int64_t hq = 0; hq < num_heads; hq++) /* the padding, whichever loop scored */
-            for (int64_t t = context_lens[b]; t < stride; t++) sb[hq * stride + t] = -INFINITY;
-    }
+    const struct pass_args a = {q, k_pool, block_tables, max_blocks, context_lens, num_heads,
+                                num_kv_heads, head_dim, block_size, scale, scores, stride};
+    split_rows(scores_rows, &a, batch, parts);
 }
 
 void baton_paged_decode_values_f32(const float *probs, const float *v_pool,
                                    const int64_t *block_tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t b0, int64_t b1,
+                                   const int64_t *context_lens, int64_t batch, int64_t parts,
                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                    int64_t block_size, int64_t stride, float *out)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *pb = probs + b * num_heads * stride;
-        float *ob = out + b * num_heads * head_dim;
-        SPECIALISED(VALUES, head_dim, pb, block_tables + b * max_blocks, context_lens[b], ob)
-    }
+    const struct pass_args a = {probs, v_pool, block_tables, max_blocks, context_lens, num_heads,
+                                num_kv_heads, head_dim, block_size, 0.f, out, stride};
+    split_rows(values_rows, &a, batch, parts);
 }
