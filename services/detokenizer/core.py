@@ -103,7 +103,8 @@ class DetokenizerCore:
         rid = info.request_id
         if rid in self._active or rid in self._finished:
             return  # duplicate registration (redelivered)
-        req = _Request(info, IncrementalDetokenizer(self._decode, info.stop))
+        lazy = not info.stream and not info.stop  # its text is only needed at the end
+        req = _Request(info, IncrementalDetokenizer(self._decode, info.stop, lazy=lazy))
         self._active[rid] = req
         orphans = self._orphans.pop(rid, [])  # taken either way: a cancel makes them moot
         if self._cancelled_early.pop(rid, None) is not None:

@@ -8,6 +8,11 @@ decode, so the streamed deltas always add up to the final text.
 
 Stop strings: text that could still become the start of a stop string is held back from the
 stream, so a client never sees characters that the final text will cut.
+
+Nothing to stream and no stop string to find (``lazy``): the text is only needed at the end, so
+``add`` just keeps the ids and ``finish`` decodes them once. Under a flood of non-streaming
+requests this was most of the detokenizer's work (two decodes per request per step), and every
+other request's replies waited behind it.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, stop: Sequence[str] = (), lazy: bool = False) -> None:
         self._decode = decode
         self.stop = tuple(stop)
+        if lazy and self.stop:
+            raise ValueError("stop strings are found as the text grows: not lazily")
+        self.lazy = lazy
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # stable text decoded so far (cut at a stop string once one is found)
@@ -35,6 +43,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self.token_ids.extend(token_ids)
+        if self.lazy:
+            return
         ids = self.token_ids
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(ids[self._prefix_offset :])

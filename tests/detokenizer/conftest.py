@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from services.detokenizer.service import make_decoder
 from services.shell.common import resolve_model_dir
 from shared.config import BatonConfig
 from tests.detokenizer.helpers import MULTIBYTE, Decode, Harness
@@ -16,6 +15,11 @@ from tests.detokenizer.helpers import MULTIBYTE, Decode, Harness
 
 @pytest.fixture(scope="module")
 def decode() -> Decode:
+    # Imported here: it loads transformers and torch, which must wait for the session's MKL
+    # choice (tests/conftest.py), and this file is imported before that when pytest is given
+    # this folder.
+    from services.detokenizer.service import make_decoder
+
     return make_decoder(resolve_model_dir(BatonConfig()))  # type: ignore[no-any-return]
 
 

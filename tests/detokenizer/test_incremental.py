@@ -140,3 +140,31 @@ def test_stop_string_with_multibyte_characters(decode: Decode, encode: Any) -> N
     deltas = stream(detok, encode(MULTIBYTE))
     assert "\ufffd" not in "".join(deltas)
     assert detok.text == "".join(deltas) == cut_at(MULTIBYTE, "你好")
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, STORY, "ok 🙂"])
+def test_lazy_decodes_once_at_the_end_to_the_same_text(
+    decode: Decode, encode: Any, text: str
+) -> None:
+    """Nothing streamed and no stop string: ``add`` keeps the ids, ``finish`` decodes once."""
+    ids = encode(text)
+    calls: list[int] = []
+
+    def counting(token_ids: Any) -> str:
+        calls.append(len(token_ids))
+        return decode(token_ids)
+
+    lazy, eager = IncrementalDetokenizer(counting, lazy=True), IncrementalDetokenizer(decode)
+    for t in ids:
+        lazy.add([t])
+        eager.add([t])
+    assert calls == [] and lazy.text == ""
+    lazy.finish()
+    eager.finish()
+    assert calls == [len(ids)]
+    assert lazy.text == eager.text == decode(ids) and lazy.token_ids == ids
+
+
+def test_lazy_refuses_stop_strings(decode: Decode) -> None:
+    with pytest.raises(ValueError, match="stop"):
+        IncrementalDetokenizer(decode, ["END"], lazy=True)
