@@ -20,9 +20,15 @@ disk (measured under a flood: confirm p90 15 ms, max 60 ms, and a priority-9 req
 token waited for it behind the flood's replies). What each batch does once confirmed (acks,
 ledger, metrics) still runs in batch order, so an input is acked only after every reply made
 from it, and from earlier inputs, is confirmed. Publishes go out in batch order on one channel,
-so replies arrive in order; a reply the broker nacks is republished after later ones, which a
-client's position-based dedup (``shared/client/dedup.py``) then drops from the stream — the
-terminal reply still carries the whole text — as it already did within one batch.
+so replies arrive in order; a batch's unconfirmed replies (a lost connection, a broker node
+killed) are retried only once every earlier batch is confirmed; a batch goes out ahead of the
+previous one's confirm only on the channel that one took (a reconnect opens a new one, and
+nothing orders messages across two) and while no batch is retrying, so retries keep that order
+too (a later batch overtaking an earlier one's retry left a gap in a stream: the broker-restart
+and broker-cluster tests). A reply the broker nacks while later ones are confirmed
+is still republished after them, which a client's position-based dedup
+(``shared/client/dedup.py``) drops from the stream — the terminal reply carries the whole text —
+as it already did within one batch.
 
 A ``drain`` control message is ignored here: the detokenizer alone answers every accepted
 request, including those still queued upstream of a drained worker (their deadlines, cancels).
@@ -37,6 +43,7 @@ import socket
 import time
 import zlib
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +64,14 @@ log = structlog.get_logger(__name__)
 
 SWEEP_INTERVAL_S = 0.05
 MAX_SENDS_IN_FLIGHT = 8  # batches whose confirms are awaited while the next ones are processed
+
+
+@dataclass
+class _Batch:
+    """One batch's send: its task, and the channel its first attempt went out on."""
+
+    task: asyncio.Task[None] | None = None
+    channel: object | None = None
 
 
 def make_decoder(model_dir: Path):  # type: ignore[no-untyped-def]
@@ -86,7 +101,8 @@ class DetokenizerService:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._standby_task: asyncio.Task[None] | None = None
-        self._sends: deque[asyncio.Task[None]] = deque()  # in batch order
+        self._sends: deque[_Batch] = deque()  # in batch order
+        self._retrying = 0  # batches retrying unconfirmed replies: new ones wait their turn
 
     async def start(self) -> None:
         # Not drainable: every accepted request is registered here and must get its one
@@ -117,7 +133,7 @@ class DetokenizerService:
         log.warning("intake channel lost; state dropped for replay", held_messages=held)
 
     async def stop(self) -> None:
-        for task in (self._loop_task, self._standby_task, *self._sends):
+        for task in (self._loop_task, self._standby_task, *(b.task for b in self._sends)):
             if task is not None:
                 task.cancel()
         await self.shell.stop()
@@ -177,11 +193,13 @@ class DetokenizerService:
         # What each input still waits for, as of this batch: a later batch may finish those
         # requests before this one is confirmed, and its settling (after this one's) acks them.
         deliveries = [(d, {rid for rid in ids if self.core.is_live(rid)}) for d, ids in deliveries]
-        while self._sends and (self._sends[0].done() or len(self._sends) >= MAX_SENDS_IN_FLIGHT):
-            await asyncio.wait([self._sends[0]])  # the oldest: the window is full
+        while self._sends and (_done(self._sends[0]) or len(self._sends) >= MAX_SENDS_IN_FLIGHT):
+            await _wait(self._sends[0])  # the oldest: the window is full
             self._sends.popleft()
         previous = self._sends[-1] if self._sends else None
-        self._sends.append(asyncio.create_task(self._send(out, deliveries, previous)))
+        batch = _Batch()
+        batch.task = asyncio.create_task(self._send(out, deliveries, batch, previous))
+        self._sends.append(batch)
 
     def _guarded(self, request_id: str, out: Output, apply: Any, *args: Any) -> None:
         """Apply one input; if that raises (a bug, a hostile event), its request alone ends
@@ -196,27 +214,45 @@ class DetokenizerService:
         self,
         out: Output,
         deliveries: list[tuple[AbstractIncomingMessage, set[str]]],
-        previous: asyncio.Task[None] | None,
+        batch: _Batch,
+        previous: _Batch | None,
     ) -> None:
         """Publish one batch's replies now; once they are confirmed and the previous batch is
         done, ack and account for it (batch order: see the module docstring)."""
         try:
-            await self._publish_batch(out)
-            if previous is not None:
-                await asyncio.wait([previous])
+            # The core has already applied these inputs: a redelivery would be deduplicated and
+            # produce no replies, so the replies themselves are retried until the broker takes
+            # them (the robust connection reconnects meanwhile), in batch order.
+            replies = reply_messages(out.replies, out.batchable)
+            broker = self.shell.broker
+            channel = await broker.publish_channel()
+            # Ahead of the previous batch's confirm only on the channel its first attempt took
+            # (one channel keeps order) and while no batch is retrying; else after it.
+            if previous is not None and not _done(previous):
+                if self._retrying or previous.channel is not channel:
+                    await _wait(previous)
+                    channel = await broker.publish_channel()
+            batch.channel = channel
+            failed = await broker.publish_once(replies, "replies", channel)
+            if failed:
+                self._retrying += 1
+            try:
+                if previous is not None:
+                    await _wait(previous)
+                if failed:
+                    log.warning("publishing replies failed; retrying in order", count=len(failed))
+                    await self.shell.broker.publish_until_confirmed(failed, "replies")
+            finally:
+                self._retrying -= bool(failed)
+            await self._abort(out.aborts)
             await self._settle(out, deliveries)
         except asyncio.CancelledError:
             raise
         except Exception:  # inputs stay unacked: redelivered and replayed if this replica dies
             log.exception("detokenizer send failed")
 
-    async def _publish_batch(self, out: Output) -> None:
-        replies = reply_messages(out.replies, out.batchable)
-        # The core has already applied these inputs: a redelivery would be deduplicated and
-        # produce no replies, so the replies themselves are retried until the broker takes them
-        # (the robust connection reconnects meanwhile). Inputs are acked only afterwards.
-        await self.shell.broker.publish_until_confirmed(replies, "replies")
-        for rid in out.aborts:
+    async def _abort(self, aborts: list[str]) -> None:
+        for rid in aborts:
             try:
                 await self.shell.publish_control(ControlMsg("abort", rid).encode())
             except Exception as exc:  # workers still stop at max_tokens or the deadline
@@ -241,6 +277,15 @@ class DetokenizerService:
                 request_id=info.request_id,
                 outcome=getattr(reply, "finish_reason", None) or getattr(reply, "code", None),
             )
+
+
+def _done(batch: _Batch) -> bool:
+    return batch.task is None or batch.task.done()
+
+
+async def _wait(batch: _Batch) -> None:
+    if batch.task is not None:
+        await asyncio.wait([batch.task])
 
 
 def build(config: BatonConfig) -> DetokenizerService:

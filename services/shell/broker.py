@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import aio_pika
+import aiormq.abc
 import structlog
 from aio_pika.abc import (
     AbstractChannel,
@@ -152,8 +153,16 @@ class Broker:
         assert self._pub is not None, "connect() first"
         return self._pub
 
-    async def publish(self, out: Outgoing) -> None:
-        """Publish and wait for the broker's confirm (raises if it nacks)."""
+    async def publish_channel(self) -> aiormq.abc.AbstractChannel:
+        """The channel publishes go out on now (after any reconnect: a new one). Messages on one
+        channel reach the broker in order; across a reconnect, nothing orders them."""
+        return await self.pub.get_underlay_channel()
+
+    async def publish(
+        self, out: Outgoing, channel: aiormq.abc.AbstractChannel | None = None
+    ) -> None:
+        """Publish and wait for the broker's confirm (raises if it nacks); on ``channel`` if
+        given (fails if that channel is gone), else on the current one."""
         msg = aio_pika.Message(
             out.body,
             delivery_mode=(
@@ -167,11 +176,32 @@ class Broker:
             headers=out.headers,
             user_id=self.user,
         )
-        await self.pub.default_exchange.publish(msg, routing_key=out.routing_key)
+        if channel is None:
+            await self.pub.default_exchange.publish(msg, routing_key=out.routing_key)
+        else:
+            await channel.basic_publish(
+                msg.body, exchange="", routing_key=out.routing_key, properties=msg.properties
+            )
 
     async def publish_many(self, outs: Iterable[Outgoing]) -> None:
         """Publish several messages, confirms awaited together (one round trip, not N)."""
         await asyncio.gather(*(self.publish(o) for o in outs))
+
+    async def publish_once(
+        self, outs: list[Outgoing], what: str, channel: aiormq.abc.AbstractChannel | None = None
+    ) -> list[Outgoing]:
+        """One attempt (on ``channel`` if given), confirms awaited together; returns the messages
+        that were not confirmed (a message that can never be published is logged and dropped)."""
+        results = await asyncio.gather(
+            *(self.publish(o, channel) for o in outs), return_exceptions=True
+        )
+        failed = []
+        for o, r in zip(outs, results, strict=True):
+            if isinstance(r, UNPUBLISHABLE):  # it would fail the same way forever
+                log.error(f"{what}: a message cannot be published; dropped", error=str(r))
+            elif isinstance(r, Exception):
+                failed.append(o)
+        return failed
 
     async def publish_until_confirmed(self, outs: list[Outgoing], what: str) -> None:
         """Publish, retrying only the messages that were not confirmed, until all are.
@@ -180,19 +210,10 @@ class Broker:
         A message whose confirm was lost with the connection may arrive twice: at-least-once."""
         pending = outs
         for attempt in itertools.count(1):
-            results = await asyncio.gather(
-                *(self.publish(o) for o in pending), return_exceptions=True
-            )
-            failed = []
-            for o, r in zip(pending, results, strict=True):
-                if isinstance(r, UNPUBLISHABLE):  # it would fail the same way forever
-                    log.error(f"{what}: a message cannot be published; dropped", error=str(r))
-                elif isinstance(r, Exception):
-                    failed.append(o)
-            if not failed:
+            pending = await self.publish_once(pending, what)
+            if not pending:
                 return
-            log.warning(f"publishing {what} failed; retrying", attempt=attempt, count=len(failed))
-            pending = failed
+            log.warning(f"publishing {what} failed; retrying", attempt=attempt, count=len(pending))
             await asyncio.sleep(min(0.1 * attempt, 2.0))
 
     async def publish_control(self, body: bytes) -> None:

@@ -31,24 +31,40 @@ class Delivery:
 
 
 class HeldConfirms:
-    """Stands in for ``publish_until_confirmed``: records each batch and confirms it when told."""
+    """Stands in for the broker's publishing: records each attempt and confirms it when told
+    (``fail``: the attempts numbered there come back unconfirmed); retries are recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: tuple[int, ...] = ()) -> None:
         self.batches: list[list[Any]] = []
         self.confirms: list[asyncio.Event] = []
+        self.fail = fail
+        self.retried: list[list[Any]] = []
 
-    async def __call__(self, outs: list[Any], what: str) -> None:
+    current: object = "channel-1"  # what a reconnect replaces
+
+    async def publish_channel(self) -> object:
+        return self.current
+
+    async def publish_once(self, outs: list[Any], what: str, channel: object) -> list[Any]:
+        attempt = len(self.batches)
         self.batches.append(outs)
         confirm = asyncio.Event()
         self.confirms.append(confirm)
         await confirm.wait()
+        return outs if attempt in self.fail else []
+
+    async def publish_until_confirmed(self, outs: list[Any], what: str) -> None:
+        self.retried.append(outs)
 
 
-def service() -> tuple[DetokenizerService, HeldConfirms]:
+def service(fail: tuple[int, ...] = ()) -> tuple[DetokenizerService, HeldConfirms]:
     config = BatonConfig(stream_interval_s=0.0)
     svc = DetokenizerService(config, resolve_model_dir(config))
-    held = HeldConfirms()
-    svc.shell.broker.publish_until_confirmed = held  # type: ignore[method-assign]
+    held = HeldConfirms(fail)
+    broker: Any = svc.shell.broker
+    broker.publish_channel = held.publish_channel
+    broker.publish_once = held.publish_once
+    broker.publish_until_confirmed = held.publish_until_confirmed
     return svc, held
 
 
@@ -107,3 +123,59 @@ async def test_the_window_of_unconfirmed_batches_is_bounded() -> None:
         confirm.set()
     await settle()
     assert sorted(acked) == [f"d{i}" for i in range(MAX_SENDS_IN_FLIGHT + 1)]
+
+
+async def test_unconfirmed_replies_are_retried_in_batch_order_and_hold_back_new_batches() -> None:
+    """Both batches' first attempts fail (a lost connection); the later one's failure comes
+    back first. Its retry still waits for the earlier one's, and a batch made meanwhile goes
+    out only after them: a later reply overtaking an earlier retry is a gap in a stream."""
+    svc, held = service(fail=(0, 1))
+    acked: list[str] = []
+    for i in range(2):
+        start = StartInfo(f"r{i}", "q", num_prompt_tokens=1, max_tokens=1)
+        msg = DetokMsg(starts=[start], events=[TokenEvent(f"r{i}", 0, [65], "length")])
+        await svc.on_message(Delivery(f"d{i}", msg, acked))  # type: ignore[arg-type]
+        await svc._process()
+        await settle()
+    held.confirms[1].set()  # the later batch's failure first
+    await settle()
+    assert held.retried == []  # not before the earlier batch's retry
+    start = StartInfo("r2", "q", num_prompt_tokens=1, max_tokens=1)
+    msg = DetokMsg(starts=[start], events=[TokenEvent("r2", 0, [65], "length")])
+    await svc.on_message(Delivery("d2", msg, acked))  # type: ignore[arg-type]
+    await svc._process()
+    await settle()
+    assert len(held.batches) == 2  # the new batch waits while a batch is retrying
+    held.confirms[0].set()
+    await settle()
+    assert held.retried == [held.batches[0], held.batches[1]]
+    assert len(held.batches) == 3  # now the new one
+    held.confirms[2].set()
+    await settle()
+    assert sorted(acked) == ["d0", "d1", "d2"]
+
+
+async def test_after_a_reconnect_a_batch_waits_for_the_previous_one_on_the_old_channel() -> None:
+    """Messages on one channel reach the broker in order; across a reconnect nothing orders
+    them, so a batch on a new channel does not go out ahead of an unconfirmed earlier one."""
+    svc, held = service()
+    acked: list[str] = []
+
+    def message(i: int) -> DetokMsg:
+        start = StartInfo(f"r{i}", "q", num_prompt_tokens=1, max_tokens=1)
+        return DetokMsg(starts=[start], events=[TokenEvent(f"r{i}", 0, [65], "length")])
+
+    await svc.on_message(Delivery("d0", message(0), acked))  # type: ignore[arg-type]
+    await svc._process()
+    await settle()
+    held.current = "channel-2"  # the connection was lost and restored
+    await svc.on_message(Delivery("d1", message(1), acked))  # type: ignore[arg-type]
+    await svc._process()
+    await settle()
+    assert len(held.batches) == 1  # waits for the batch on the old channel
+    held.confirms[0].set()
+    await settle()
+    assert len(held.batches) == 2
+    held.confirms[1].set()
+    await settle()
+    assert sorted(acked) == ["d0", "d1"]
