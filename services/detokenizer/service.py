@@ -241,7 +241,7 @@ class DetokenizerService:
                     await _wait(previous)
                 if failed:
                     log.warning("publishing replies failed; retrying in order", count=len(failed))
-                    await self.shell.broker.publish_until_confirmed(failed, "replies")
+                    await broker.publish_until_confirmed(failed, "replies")
             finally:
                 self._retrying -= bool(failed)
             await self._abort(out.aborts)
