@@ -26,7 +26,7 @@ static inline void prefetch_rows(const float *start, int64_t num_floats)
 {
     const char *p = (const char *)start;
     for (int64_t b = 0; b < num_floats * (int64_t)sizeof(float); b += 64)
-        __builtin_prefetch(p + b, 0, 3);
+        __builtin_prefetch(p + b, 0, 1);
 }
 
 static inline void scores_one(const float *restrict q, const float *restrict k_pool,
