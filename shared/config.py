@@ -137,6 +137,11 @@ class BatonConfig:
     # bench, 3 interleaved runs: 1,951 against 1,853 tok/s without it (within run-to-run noise
     # on its own; a fixed 150 ms gave +12%). 0 = no budget.
     max_stream_replies_per_s: float = 500.0
+    # Decode holds a step's token events up to this long, so that several steps share one
+    # broker message per detokenizer shard (services/shell/event_hold.py); a step that ends,
+    # fails or hands off a request sends at once. Well below stream_interval_s, so what a
+    # client sees is unchanged. 0 = one message per step and shard.
+    decode_event_hold_s: float = 0.025
     # --- detokenizer ---------------------------------------------------------------------------
     # Shards of the detokenizer's input (queues baton.detok.0..N-1, by request id); every
     # service must agree on it. Replicas share the shards: each shard has one active consumer

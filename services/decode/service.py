@@ -30,7 +30,10 @@ class DecodeService(EngineService):
         # runs, so the broker delivers only as slots free up; the backlog stays queued there,
         # ordered by priority, for whichever decode replica has room.
         super().__init__(
-            config, engine, prefetch=config.max_num_seqs + config.decode_prefetch_headroom
+            config,
+            engine,
+            prefetch=config.max_num_seqs + config.decode_prefetch_headroom,
+            event_hold_s=config.decode_event_hold_s,
         )
         runner = engine.runner
         self.shell.metrics.set_decode_costs(

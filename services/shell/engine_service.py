@@ -27,6 +27,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.shell.broker import Outgoing
+from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
 from services.shell.shell import ServiceShell, ack, detok_events, requeue
 from shared.config import BatonConfig
@@ -66,13 +67,20 @@ class EngineService(ABC):
     message_type: type[PrefillMsg] | type[HandoffMsg]
 
     def __init__(
-        self, config: BatonConfig, engine: EngineCore, prefetch: int, batch_wait_s: float = 0.0
+        self,
+        config: BatonConfig,
+        engine: EngineCore,
+        prefetch: int,
+        batch_wait_s: float = 0.0,
+        event_hold_s: float = 0.0,
     ) -> None:
         """``prefetch``: the largest window this service ever wants (the per-consumer cap); the
-        policy's answer (``window``) moves it below that after each step."""
+        policy's answer (``window``) moves it below that after each step. ``event_hold_s``: how
+        long a step's token events may wait to share a message with later steps' (event_hold.py)."""
         self.config = config
         self.engine = engine
         self.batch_wait_s = batch_wait_s  # after waking from idle: let neighbours join the batch
+        self.events = EventHold(event_hold_s)
         self.shell = ServiceShell(config, self.name, prefetch)
         self.policy = SchedulingPolicy(config)
         self.prefetch = PrefetchWindow(self.shell.broker, self.shell.metrics, prefetch)
@@ -307,7 +315,7 @@ class EngineService(ABC):
         metrics.on_connector(self.engine.connector.stats())
         if out.releases:
             self.publish_releases(out.releases)
-        if not out:
+        if not out and not self.events:
             return
         events = [
             TokenEvent(
@@ -316,7 +324,12 @@ class EngineService(ABC):
             for t in out.tokens
         ]
         events += [error_event(e.request_id, e.code, e.message) for e in out.errors]
-        outs = self._detok(events, time.time())
+        urgent = bool(out.errors or out.handoffs or out.retired) or any(
+            t.finish_reason is not None for t in out.tokens
+        )
+        now = time.time()
+        events = self.events.offer(events, now, urgent)
+        outs = self._detok(events, now)
         if out.handoffs:
             originals = {h.request_id: self.inflight[h.request_id].msg for h in out.handoffs}
             outs += self.handoff_messages(out.handoffs, originals)

@@ -1,0 +1,72 @@
+"""Decode's token events, held briefly so that several steps share one broker message.
+
+Every decode step used to send one ``DetokMsg`` per detokenizer shard. On a small machine the
+broker's per-message cost (persistent, confirmed: ~0.5 ms of its CPU each) and the
+detokenizer's are paid on the same cores as the model, while the detokenizer itself coalesces
+what clients see (``stream_interval_s``, 50 ms and more). So decode holds a step's events for
+up to ``interval_s`` and sends them with a later step's, merged per request.
+
+What is never held (the caller says ``urgent``): a step that finishes, fails, hands off or
+retires anything — terminal events go out at once, and a retired input is acked only after its
+outputs are confirmed, so held events always precede, in the same publish, the terminal event
+of their request. Held events of a worker that dies are lost with it, exactly like the events
+of a step it had not published yet: its inputs are redelivered and replayed (the detokenizer
+drops positions it already has).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.wire.messages import TokenEvent
+
+
+class EventHold:
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s  # 0: every step's events go out with the step
+        self._held: list[TokenEvent] = []
+        self._since: float | None = None  # when the oldest held event was produced
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def offer(self, events: list[TokenEvent], now: float, urgent: bool) -> list[TokenEvent]:
+        """The events to send now (held ones first, merged per request); [] while holding."""
+        if events:
+            if self._since is None:
+                self._since = now
+            self._held.extend(events)
+        if not self._held:
+            return []
+        assert self._since is not None
+        if not urgent and now - self._since < self.interval_s:
+            return []
+        out = merge(self._held)
+        self._held, self._since = [], None
+        return out
+
+
+def merge(events: list[TokenEvent]) -> list[TokenEvent]:
+    """Consecutive positions of one request become one event (first position, all tokens, the
+    last event's ending); events that do not continue their request's previous one stay apart.
+    Requests keep the order of their first event."""
+    out: list[TokenEvent] = []
+    last: dict[str, int] = {}  # request id -> its latest event's place in ``out``
+    for ev in events:
+        i = last.get(ev.request_id)
+        prev = out[i] if i is not None else None
+        if (
+            i is not None
+            and prev is not None
+            and prev.finish_reason is None
+            and prev.error_code is None
+            and ev.error_code is None
+            and prev.index + len(prev.token_ids) == ev.index
+        ):
+            out[i] = replace(
+                prev, token_ids=prev.token_ids + ev.token_ids, finish_reason=ev.finish_reason
+            )
+            continue
+        last[ev.request_id] = len(out)
+        out.append(ev)
+    return out
