@@ -26,6 +26,7 @@ class EventHold:
         self.interval_s = interval_s  # 0: every step's events go out with the step
         self._held: list[TokenEvent] = []
         self._since: float | None = None  # when the oldest held event was produced
+        self._steps = 0  # offers whose events are held: one step's events need no merging
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -36,13 +37,14 @@ class EventHold:
             if self._since is None:
                 self._since = now
             self._held.extend(events)
+            self._steps += 1
         if not self._held:
             return []
         assert self._since is not None
         if not urgent and now - self._since < self.interval_s:
             return []
-        out = merge(self._held)
-        self._held, self._since = [], None
+        out = merge(self._held) if self._steps > 1 else self._held
+        self._held, self._since, self._steps = [], None, 0
         return out
 
 
@@ -54,15 +56,8 @@ def merge(events: list[TokenEvent]) -> list[TokenEvent]:
     last: dict[str, int] = {}  # request id -> its latest event's place in ``out``
     for ev in events:
         i = last.get(ev.request_id)
-        prev = out[i] if i is not None else None
-        if (
-            i is not None
-            and prev is not None
-            and prev.finish_reason is None
-            and prev.error_code is None
-            and ev.error_code is None
-            and prev.index + len(prev.token_ids) == ev.index
-        ):
+        if i is not None and _continues(out[i], ev):
+            prev = out[i]
             out[i] = replace(
                 prev, token_ids=prev.token_ids + ev.token_ids, finish_reason=ev.finish_reason
             )
@@ -70,3 +65,13 @@ def merge(events: list[TokenEvent]) -> list[TokenEvent]:
         last[ev.request_id] = len(out)
         out.append(ev)
     return out
+
+
+def _continues(prev: TokenEvent, ev: TokenEvent) -> bool:
+    """``ev`` takes up where ``prev`` (same request) left off, and neither ends it with an error."""
+    return (
+        prev.finish_reason is None
+        and prev.error_code is None
+        and ev.error_code is None
+        and prev.index + len(prev.token_ids) == ev.index
+    )
