@@ -36,10 +36,11 @@ def run_one(name: str, config: BatonConfig) -> None:
     if spec(name).runs_model:
         import torch
 
-        from services.shell.cpus import pin_engine
+        from services.shell.cpus import pin_engine, yield_cpu
 
         cpus, threads = getattr(config, f"{name}_cpus"), getattr(config, f"{name}_torch_threads")
         torch.set_num_threads(pin_engine(cpus, threads))
+        yield_cpu(getattr(config, f"{name}_nice"))
     service = spec(name).build(config)
     asyncio.run(run_until_signalled(service))
 

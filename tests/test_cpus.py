@@ -1,4 +1,5 @@
-"""Engine CPU pinning (services/shell/cpus.py): the list syntax, and a real pinned child."""
+"""Engine CPU pinning and priority (services/shell/cpus.py): the list syntax, a real pinned child,
+a niced child and a niced decode service."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from services.shell.cpus import parse_cpu_list, pin_engine
+from services.shell.cpus import MAX_NICE, parse_cpu_list, pin_engine, yield_cpu
 from shared.config import REPO_ROOT
 
 
@@ -47,3 +48,20 @@ def test_a_pinned_engine_runs_only_on_its_cpus_with_one_thread_each() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=120).stdout  # fmt: skip
     assert out.split() == [f"[{cpu}]", "1"]
+
+
+@pytest.mark.parametrize("nice", [-1, MAX_NICE + 1])
+def test_an_engine_never_raises_its_priority_or_leaves_the_range(nice: int) -> None:
+    with pytest.raises(ValueError, match="nice"):
+        yield_cpu(nice)
+
+
+def test_a_niced_engine_runs_at_lower_priority() -> None:
+    code = (
+        "import os; from services.shell.cpus import yield_cpu;"
+        "before = os.nice(0); yield_cpu(0); same = os.nice(0); yield_cpu(7);"
+        "print(same - before, os.nice(0) - before)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, check=True, timeout=120).stdout  # fmt: skip
+    assert out.split() == ["0", str(min(7, MAX_NICE - os.nice(0)))]

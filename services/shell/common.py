@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +42,18 @@ class Finishing(Protocol):
     async def wait_finished(self) -> None: ...
 
 
+def freeze_startup_heap() -> None:
+    """Hide everything built at start-up (torch, transformers, the model, the tokenizer, the
+    broker connection) from the cyclic garbage collector: it lives as long as the process.
+
+    Left in, every full collection walked it, ~310k objects: under the priority flood
+    (tests/fault/test_priority.py) decode stalled 132 ms in one, mid-step (a per-process GC
+    trace, once in the 6 s served; none with the freeze). Collections now walk only what serving
+    created."""
+    gc.collect()
+    gc.freeze()
+
+
 async def run_until_signalled(service: Service) -> None:
     """Start, serve until SIGINT/SIGTERM or until the service finished draining, then stop
     cleanly (unacked work is redelivered)."""
@@ -49,6 +62,7 @@ async def run_until_signalled(service: Service) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    freeze_startup_heap()
     log.info("service ready", service=service.name)
     waits: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
     if isinstance(service, Finishing):

@@ -5,6 +5,9 @@ prefill then steals decode's CPU and every stream's time per output token grows,
 disaggregation exists to prevent. ``BATON_PREFILL_CPUS`` / ``BATON_DECODE_CPUS`` (Linux CPU lists,
 ``"0-3,8"``) give each engine its own cores, the CPU analogue of separate GPUs; the light services
 stay unpinned. Unset, a service may run anywhere.
+
+``BATON_PREFILL_NICE`` / ``BATON_DECODE_NICE`` lower an engine's CPU priority where it shares
+cores: decode (niced by default) then never makes a first token's hops wait for its time slice.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ def parse_cpu_list(spec: str) -> frozenset[int]:
             raise ValueError(f"not a CPU range: {part!r} in {spec!r}")
         cpus.update(range(lo, hi + 1))
     return frozenset(cpus)
+
+
+MAX_NICE = 19
+
+
+def yield_cpu(nice: int) -> None:
+    """Lower this process's CPU priority by ``nice`` (0 leaves it). Never raised: that needs
+    privileges, and the light services are the ones that must win."""
+    if not 0 <= nice <= MAX_NICE:
+        raise ValueError(f"nice must be 0..{MAX_NICE}, not {nice}")
+    if nice:
+        os.nice(nice)
 
 
 def pin_engine(cpu_spec: str, torch_threads: int) -> int:
