@@ -51,27 +51,34 @@ class EventHold:
 def merge(events: list[TokenEvent]) -> list[TokenEvent]:
     """Consecutive positions of one request become one event (first position, all tokens, the
     last event's ending); events that do not continue their request's previous one stay apart.
-    Requests keep the order of their first event."""
-    out: list[TokenEvent] = []
-    last: dict[str, int] = {}  # request id -> its latest event's place in ``out``
+    Requests keep the order of their first event. Linear: a run's tokens are gathered in one
+    list and its event rebuilt once (not once per step held)."""
+    heads: list[TokenEvent] = []  # each run's first event
+    tails: list[TokenEvent] = []  # and its latest
+    tokens: list[list[int]] = []  # every token of the run
+    last: dict[str, int] = {}  # request id -> its latest run's place
     for ev in events:
         i = last.get(ev.request_id)
-        if i is not None and _continues(out[i], ev):
-            prev = out[i]
-            out[i] = replace(
-                prev, token_ids=prev.token_ids + ev.token_ids, finish_reason=ev.finish_reason
-            )
+        if i is not None and _continues(tails[i], heads[i].index + len(tokens[i]), ev):
+            tokens[i].extend(ev.token_ids)
+            tails[i] = ev
             continue
-        last[ev.request_id] = len(out)
-        out.append(ev)
-    return out
+        last[ev.request_id] = len(heads)
+        heads.append(ev)
+        tails.append(ev)
+        tokens.append(list(ev.token_ids))
+    return [
+        head if tail is head else replace(head, token_ids=ids, finish_reason=tail.finish_reason)
+        for head, tail, ids in zip(heads, tails, tokens, strict=True)
+    ]
 
 
-def _continues(prev: TokenEvent, ev: TokenEvent) -> bool:
-    """``ev`` takes up where ``prev`` (same request) left off, and neither ends it with an error."""
+def _continues(prev: TokenEvent, end: int, ev: TokenEvent) -> bool:
+    """``ev`` takes up at ``end``, where its request's run (latest event ``prev``) left off, and
+    neither ends it with an error."""
     return (
         prev.finish_reason is None
         and prev.error_code is None
         and ev.error_code is None
-        and prev.index + len(prev.token_ids) == ev.index
+        and end == ev.index
     )
