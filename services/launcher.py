@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,8 +28,36 @@ from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
 
 
 def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback (``up`` gives each service with
-    a metrics endpoint one, at base + its registry offset)."""
+    """A base port with ``n`` consecutive free ports (``up`` gives each service with a metrics
+    endpoint one, at base + its registry offset).
+
+    Taken below the kernel's ephemeral range: a port from that range can be handed, before the
+    service gets to bind it, to any outgoing connection as its local port — a CI run lost a test
+    to exactly that (prefill's metrics port became some connection's, prefill exited at start).
+    Ports below the range are only ever taken by an explicit bind."""
+    low = ephemeral_range_start()
+    if low - n <= FIRST_BLOCK_PORT:  # an unusual range: fall back to one the kernel picks
+        return _ephemeral_block(n)
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(FIRST_BLOCK_PORT, low - n)
+        if all(_is_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of free ports")
+
+
+FIRST_BLOCK_PORT = 20_000
+
+
+def ephemeral_range_start() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _ephemeral_block(n: int) -> int:
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -39,9 +68,10 @@ def free_port_block(n: int) -> int:
 
 
 def _is_free(port: int) -> bool:
+    """Free on every address, as the services bind their metrics servers."""
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind(("", port))
         except OSError:
             return False
     return True
@@ -110,7 +140,8 @@ class LocalSystem:
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Until a real request is answered end to end (every service is up)."""
-        await wait_served(self.amqp_url, timeout_s, self.proc, self.tail)
+        procs = {"services up": self.proc} if self.proc is not None else {}
+        await wait_served(self.amqp_url, timeout_s, procs, self.tail)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM (the services stop cleanly), SIGKILL to the whole group after ``timeout_s``."""
@@ -137,16 +168,18 @@ class LocalSystem:
 async def wait_served(
     amqp_url: str,
     timeout_s: float,
-    proc: subprocess.Popen[bytes] | None = None,
+    procs: Mapping[str, subprocess.Popen[bytes]] | None = None,
     tail: Callable[[], str] = lambda: "",
 ) -> None:
-    """Until a real request is answered end to end (every pipeline service is up)."""
+    """Until a real request is answered end to end (every pipeline service is up). Any of
+    ``procs`` (name -> process) exiting meanwhile fails at once, not at the timeout."""
     from shared.client import BatonClient, BatonUnavailable
 
     deadline = time.monotonic() + timeout_s
     while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"baton exited with {proc.returncode}:\n{tail()}")
+        for name, proc in (procs or {}).items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail()}")
         try:
             async with await BatonClient.connect(amqp_url) as client:
                 reply = await client.generate("ready?", max_tokens=2, wait_s=10)
@@ -214,7 +247,7 @@ class ServiceProcesses:
         proc.wait()
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:
-        await wait_served(self.amqp_url, timeout_s, tail=self.tail)
+        await wait_served(self.amqp_url, timeout_s, dict(self.procs), self.tail)
 
     def stop(self) -> None:
         for proc in self.procs.values():
