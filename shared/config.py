@@ -50,13 +50,14 @@ class BatonConfig:
     # threads 0, the engine uses one thread per listed CPU. See services/shell/cpus.py.
     prefill_cpus: str = ""
     decode_cpus: str = ""
-    # How much each engine yields the CPU (Unix nice, 0-19; only ever lowered). Decode runs
-    # flat out while it has sequences; niced, the light hops of a first token (broker,
-    # tokenizer, prefill, detokenizer) preempt it at once instead of waiting out its time slice.
-    # Priority flood (tests/fault/test_priority.py), three runs each: priority-9 TTFT p50
-    # 13-16 -> 11-12 ms, p99 49-55 -> 29-59 ms; throughput unchanged. See services/shell/cpus.py.
+    # How much each engine yields the CPU (Unix nice, 0-19; only ever lowered). Niced, decode lets
+    # the light hops of a first token (broker, tokenizer, prefill, detokenizer) preempt its steps
+    # where they share cores — but prefill too, so decode's time per token suffers under a prefill
+    # burst. Measured on 2 cores (docs/scheduling.md): decode at nice 10 cut a priority request's
+    # median TTFT under a flood by ~20% and broke the mixed workload's TPOT claim (burst / steady
+    # p99 1.01-1.52x against 0.79-1.05x at 0). Default off. See services/shell/cpus.py.
     prefill_nice: int = 0
-    decode_nice: int = 10
+    decode_nice: int = 0
     # CPU decode attention over an fp32 cache: "auto" = the C kernel of
     # shared/engine/csrc (compiled on first use; the torch path if no C compiler), "torch" = the
     # torch path. See shared/engine/cpu_attention.py.

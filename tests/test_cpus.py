@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,3 +66,25 @@ def test_a_niced_engine_runs_at_lower_priority() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=120).stdout  # fmt: skip
     assert out.split() == ["0", str(min(7, MAX_NICE - os.nice(0)))]
+
+
+def test_a_decode_service_runs_at_its_configured_nice() -> None:
+    """``python -m services decode`` applies BATON_DECODE_NICE before it serves (an unreachable
+    broker keeps it retrying, alive, meanwhile)."""
+    env = {
+        **os.environ,
+        "BATON_DECODE_NICE": "7",
+        "BATON_AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
+    }
+    own = os.nice(0)
+    proc = subprocess.Popen([sys.executable, "-m", "services", "decode"], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while os.getpriority(os.PRIO_PROCESS, proc.pid) != min(own + 7, MAX_NICE):
+            assert proc.poll() is None, "decode exited before it was niced"
+            assert time.monotonic() < deadline, "decode was never niced"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()

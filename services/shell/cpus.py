@@ -7,7 +7,8 @@ disaggregation exists to prevent. ``BATON_PREFILL_CPUS`` / ``BATON_DECODE_CPUS``
 stay unpinned. Unset, a service may run anywhere.
 
 ``BATON_PREFILL_NICE`` / ``BATON_DECODE_NICE`` lower an engine's CPU priority where it shares
-cores: decode (niced by default) then never makes a first token's hops wait for its time slice.
+cores (default 0): niced, decode never makes a first token's hops wait for its time slice, nor
+prefill (docs/scheduling.md has both sides).
 """
 
 from __future__ import annotations

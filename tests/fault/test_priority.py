@@ -28,7 +28,6 @@ its default settings.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 import uuid
@@ -119,8 +118,6 @@ class FloodRun:
     flood: list[str]  # priority-0
     flood_s: float
     max_backlog: int  # deepest baton.decode seen
-    niceness: dict[str, int]  # each service process's, as it served
-    decode_nice: int  # what decode was configured with
 
     def ttft(self, ids: list[str]) -> list[float]:
         return [self.log.ttft(rid) for rid in ids]
@@ -134,8 +131,6 @@ async def run() -> FloodRun:
     """The scenario, once for every check below; prints its figures."""
     with service_processes(ENV, metrics=True) as procs:
         await procs.wait_ready()
-        niceness = {name: os.getpriority(os.PRIO_PROCESS, p.pid) for name, p in procs.procs.items()}
-        decode_nice = procs.config().decode_nice
         prefill_port = procs.metrics_port("prefill")
         log = TimedReplies(procs.amqp_url)
         async with log:
@@ -171,7 +166,7 @@ async def run() -> FloodRun:
             flood_s = time.monotonic() - t0
             await connection.close()
             await log.wait(flood + ingest + standing, timeout_s=60)
-    r = FloodRun(log, idle, ingest, standing, flood, flood_s, max_backlog, niceness, decode_nice)
+    r = FloodRun(log, idle, ingest, standing, flood, flood_s, max_backlog)
     idle_ttft, busy_ttft = r.ttft(idle), r.ttft(standing)
     p50_ratio = statistics.median(busy_ttft) / statistics.median(idle_ttft)
     print(
@@ -200,14 +195,6 @@ def test_the_flood_saturated_the_system_and_waited_in_the_broker(run: FloodRun) 
     """Decode's prefetch is its free slots: most of the flood queued in the broker (where
     priority orders it and any replica could take it), for seconds."""
     assert run.max_backlog > FLOOD // 2 and len(run.standing) >= 20, run.max_backlog
-
-
-def test_decode_yields_the_cpu_to_the_hops_of_a_first_token(run: FloodRun) -> None:
-    """Decode runs niced (BATON_DECODE_NICE): the light services and prefill preempt it."""
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    assert run.decode_nice > 0  # the default
-    assert run.niceness["decode"] == min(own + run.decode_nice, 19), run.niceness
-    assert all(n == own for name, n in run.niceness.items() if name != "decode"), run.niceness
 
 
 def test_priority_9_overtakes_the_backlog(run: FloodRun) -> None:
