@@ -47,7 +47,7 @@ def freeze_startup_heap() -> None:
     broker connection) from the cyclic garbage collector: it lives as long as the process.
 
     Left in, every full collection walked it, ~310k objects: under the priority flood
-    (tests/fault/test_priority.py) decode stalled 132 ms in one, mid-step (a per-process GC
+    (tests/fault/test_priority.py) decode's process spent 132 ms in one (a per-process GC
     trace, once in the 6 s served; none with the freeze). Collections now walk only what serving
     created."""
     gc.collect()
