@@ -26,6 +26,8 @@ from pathlib import Path
 from services.shell.registry import PIPELINE, port_offset, spec
 from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
 
+FIRST_BLOCK_PORT = 20_000
+
 
 def free_port_block(n: int) -> int:
     """A base port with ``n`` consecutive free ports (``up`` gives each service with a metrics
@@ -34,19 +36,16 @@ def free_port_block(n: int) -> int:
     Taken below the kernel's ephemeral range: a port from that range can be handed, before the
     service gets to bind it, to any outgoing connection as its local port — a CI run lost a test
     to exactly that (prefill's metrics port became some connection's, prefill exited at start).
-    Ports below the range are only ever taken by an explicit bind."""
+    Ports below the range are only ever taken by an explicit bind. (An unusual range with no
+    room below it: bases the kernel picks, as before.)"""
     low = ephemeral_range_start()
-    if low - n <= FIRST_BLOCK_PORT:  # an unusual range: fall back to one the kernel picks
-        return _ephemeral_block(n)
+    below = low - n > FIRST_BLOCK_PORT
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(FIRST_BLOCK_PORT, low - n)
-        if all(_is_free(base + i) for i in range(n)):
+        base = rng.randrange(FIRST_BLOCK_PORT, low - n) if below else _kernel_port()
+        if base + n < 65535 and all(_is_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no block of free ports")
-
-
-FIRST_BLOCK_PORT = 20_000
 
 
 def ephemeral_range_start() -> int:
@@ -57,14 +56,10 @@ def ephemeral_range_start() -> int:
         return 32768
 
 
-def _ephemeral_block(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n < 65535 and all(_is_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no block of free ports")
+def _kernel_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _is_free(port: int) -> bool:

@@ -53,3 +53,10 @@ def test_merge_keeps_apart_what_does_not_continue() -> None:
         ev("b", 7, 53),
         err,
     ]
+
+
+def test_merge_leaves_the_events_it_was_given_as_they_were() -> None:
+    first = ev("a", 0, 10)
+    merged = merge([first, ev("a", 1, 11), ev("a", 2, 12)])
+    assert merged == [ev("a", 0, 10, 11, 12)]
+    assert first == ev("a", 0, 10)  # its token list was copied before the run grew

@@ -60,13 +60,15 @@ def merge(events: list[TokenEvent]) -> list[TokenEvent]:
     for ev in events:
         i = last.get(ev.request_id)
         if i is not None and _continues(tails[i], heads[i].index + len(tokens[i]), ev):
+            if tails[i] is heads[i]:  # first continuation: the head's own list stays untouched
+                tokens[i] = list(tokens[i])
             tokens[i].extend(ev.token_ids)
             tails[i] = ev
             continue
         last[ev.request_id] = len(heads)
         heads.append(ev)
         tails.append(ev)
-        tokens.append(list(ev.token_ids))
+        tokens.append(ev.token_ids)  # copied only if the run grows
     return [
         head if tail is head else replace(head, token_ids=ids, finish_reason=tail.finish_reason)
         for head, tail, ids in zip(heads, tails, tokens, strict=True)
