@@ -20,6 +20,7 @@ from torch import nn
 
 from shared.engine.attention import AttentionMetadata, attention
 from shared.engine.model_config import ModelConfig
+from shared.native.mkl_pack import PackedWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,6 +55,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + swapped * sin
 
 
+# Rows from which a packed weight beats MKL's GEMV on the plain one (linear_layout.py).
+PACKED_MIN_ROWS = 4
+
+
+class Projection(nn.Linear):
+    """``nn.Linear`` whose weight may also be held packed for MKL (linear_layout.py):
+    :meth:`project` is ``F.linear`` either way, up to the last bits."""
+
+    packed: PackedWeight | None = None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS:
+            return self.packed.linear(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -72,8 +89,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        self.qkv_proj = Projection(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = Projection(self.q_size, cfg.hidden_size, cfg.o_bias)
         # Qwen3 normalises each head of q and k before RoPE; the others do not.
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -89,7 +106,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj.project(x)
         # q and k sit side by side in qkv: one RoPE over both heads' views.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm:
@@ -98,18 +115,18 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj.project(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = self.gate_up_proj.project(x).chunk(2, dim=-1)
+        return self.down_proj.project(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -144,7 +161,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
@@ -164,22 +181,7 @@ class CausalLM(nn.Module):
             hidden = layer.forward(hidden, cos, sin, kv_layer, meta)
         return hidden
 
-    def transpose_linear_weights(self) -> None:
-        """Store each projection's weight as its contiguous transpose ``[in, out]``, behind the
-        usual ``[out, in]`` view (F.linear then runs ``x @ w`` with no transposed operand).
-
-        For CPU: MKL's sgemm is 15-30% faster this way at decode row counts (16-64), equal for
-        prefill, and gives the same bits from 16 rows up (a single row goes through gemv, whose
-        summation order differs in the last bit). A head tied to the embedding stays as it is:
-        the embedding's row gather wants ``[vocab, hidden]``.
-        """
-        tied = self.embed_tokens.weight
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight is not tied:
-                transposed = module.weight.detach().t().contiguous().t()
-                module.weight = nn.Parameter(transposed, requires_grad=False)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the rows given (only the tokens that sample). Norm is row-wise, so
         normalising just these rows equals normalising all and selecting after."""
-        return F.linear(self.norm.forward(hidden), self.lm_head.weight).float()
+        return self.lm_head.project(self.norm.forward(hidden)).float()

@@ -20,6 +20,7 @@ from shared.config import BatonConfig
 from shared.core.limits import Limits
 from shared.engine.attention import AttentionMetadata, select_backend
 from shared.engine.kv_codec import make_kv_codec
+from shared.engine.linear_layout import prepare_projections
 from shared.engine.loader import load_model, parse_dtype
 from shared.engine.model_config import ModelConfig
 from shared.engine.sampler import Sampler
@@ -74,7 +75,8 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
-            self.model.transpose_linear_weights()
+            num_packed = prepare_projections(self.model)
+            log.info("projections transposed", packed_for_mkl=num_packed)
         shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
         if shared is not None:
             self.kv_cache = shared  # zeroed by its owner
