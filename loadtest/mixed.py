@@ -30,20 +30,22 @@ from typing import Any
 
 from loadtest.serving import finite, run_load, say, spawned_baton, warm_up
 from loadtest.workload import RequestResult, RequestSpec, make_workload, percentile
+from services.shell.cpus import split_engine_cpus
 
-CHUNKED = {"BATON_MAX_NUM_BATCHED_TOKENS": "256"}
-UNCHUNKED = {"BATON_MAX_NUM_BATCHED_TOKENS": "2048"}
+# Engines sharing every core: explicitly unpinned (``services up`` pins them apart by default).
+SHARED_CORES = {"BATON_PREFILL_CPUS": "", "BATON_DECODE_CPUS": ""}
+CHUNKED = {"BATON_MAX_NUM_BATCHED_TOKENS": "256", **SHARED_CORES}
+UNCHUNKED = {"BATON_MAX_NUM_BATCHED_TOKENS": "2048", **SHARED_CORES}
 
 
 def configs() -> dict[str, dict[str, str]]:
     """name -> the services' environment. own-cores: prefill on the first half of this process's
-    CPUs, decode on the rest (the broker and the light services stay unpinned)."""
+    CPUs, decode on the rest, as ``services up`` does by default (the broker and the light
+    services stay unpinned)."""
     out = {"chunked": CHUNKED, "unchunked": UNCHUNKED}
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) >= 2:
-        half = len(cpus) // 2
-        own = {"BATON_PREFILL_CPUS": ",".join(map(str, cpus[:half])),
-               "BATON_DECODE_CPUS": ",".join(map(str, cpus[half:]))}  # fmt: skip
+    split = split_engine_cpus(frozenset(os.sched_getaffinity(0)))
+    if split is not None:
+        own = {"BATON_PREFILL_CPUS": split[0], "BATON_DECODE_CPUS": split[1]}
         out["own-cores"] = {**CHUNKED, **own}
     return out
 

@@ -53,6 +53,7 @@ def run_all(config: BatonConfig) -> int:
 
     resolve_model_dir(config)  # build the tiny model once, before the services race for it
     children: dict[str, subprocess.Popen[bytes]] = {}
+    engine_cpus = _engine_cpus(config)
     for s in SERVICES:
         if not s.available():
             continue
@@ -62,6 +63,8 @@ def run_all(config: BatonConfig) -> int:
             # forward (10-40 ms per prefill batch here); keep them in the process instead.
             env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
             env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+            if s.name in engine_cpus:  # an explicit list, even an empty one, is kept
+                env.setdefault(f"BATON_{s.name.upper()}_CPUS", engine_cpus[s.name])
         # Each service as its own broker user when given one (services/shell/permissions.py
         # apply prints these); otherwise every child shares BATON_AMQP_URL.
         own_url = os.environ.get(f"BATON_{s.name.upper()}_AMQP_URL")
@@ -104,6 +107,21 @@ def run_all(config: BatonConfig) -> int:
             proc.kill()
     log.info("services stopped")
     return code
+
+
+def _engine_cpus(config: BatonConfig) -> dict[str, str]:
+    """The engines' CPU lists when neither is configured (by a flag or the environment, even as
+    an empty list): the two halves of this process's CPUs (services/shell/cpus.py says why)."""
+    given = {"BATON_PREFILL_CPUS", "BATON_DECODE_CPUS"} & os.environ.keys()
+    if config.prefill_cpus or config.decode_cpus or given:
+        return {}
+    from services.shell.cpus import split_engine_cpus
+
+    split = split_engine_cpus(frozenset(os.sched_getaffinity(0)))
+    if split is None:
+        return {}
+    log.info("engines pinned to halves of the CPUs", prefill=split[0], decode=split[1])
+    return {"prefill": split[0], "decode": split[1]}
 
 
 def _passthrough_args() -> list[str]:

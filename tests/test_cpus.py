@@ -10,8 +10,15 @@ import time
 
 import pytest
 
-from services.shell.cpus import MAX_NICE, parse_cpu_list, pin_engine, yield_cpu
-from shared.config import REPO_ROOT
+from services.__main__ import _engine_cpus
+from services.shell.cpus import (
+    MAX_NICE,
+    parse_cpu_list,
+    pin_engine,
+    split_engine_cpus,
+    yield_cpu,
+)
+from shared.config import REPO_ROOT, BatonConfig
 
 
 @pytest.mark.parametrize(
@@ -88,3 +95,33 @@ def test_a_decode_service_runs_at_its_configured_nice() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("available", "split"),
+    [
+        ({0, 1}, ("0", "1")),
+        ({0, 1, 2}, ("0", "1,2")),  # decode gets the odd one
+        ({0, 2, 4, 6}, ("0,2", "4,6")),
+        ({3}, None),
+    ],
+)
+def test_services_up_splits_the_cpus_between_the_engines(
+    available: set[int], split: tuple[str, str] | None
+) -> None:
+    assert split_engine_cpus(frozenset(available)) == split
+    if split is not None:  # lists the engines accept, disjoint, covering every CPU
+        prefill, decode = (parse_cpu_list(x) for x in split)
+        assert prefill and decode and not prefill & decode and prefill | decode == available
+
+
+def test_a_given_cpu_list_even_empty_leaves_both_engines_as_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BATON_PREFILL_CPUS", raising=False)
+    monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert _engine_cpus(BatonConfig()) == {"prefill": "0,1", "decode": "2,3"}
+    assert _engine_cpus(BatonConfig(decode_cpus="3")) == {}
+    monkeypatch.setenv("BATON_DECODE_CPUS", "")  # explicitly unpinned
+    assert _engine_cpus(BatonConfig()) == {}
