@@ -10,9 +10,9 @@ stay unpinned. Unset, a service may run anywhere.
 gives them the two halves of its CPUs (:func:`split_engine_cpus`). Measured on 2 cores (Zen 3,
 2026-12-04, Baton-only bench, three interleaved pairs, unpinned / halves): 2,507 / 2,653, 2,313
 / 2,319, 2,283 / 2,442 tok/s, the three passes of a run within 2-8% of each other pinned against
-up to 25% unpinned: left alone, the kernel's balancer at times puts both engines on one core
-while the light services hold the other. An explicitly empty list (``BATON_DECODE_CPUS=``)
-keeps an engine unpinned.
+up to 25% unpinned (our reading, not traced: left alone, the kernel's balancer at times puts
+both engines on one core while the light services hold the other). An explicitly empty list
+(``BATON_DECODE_CPUS=``) keeps an engine unpinned.
 
 ``BATON_PREFILL_NICE`` / ``BATON_DECODE_NICE`` lower an engine's CPU priority where it shares
 cores (default 0): niced, decode never makes a first token's hops wait for its time slice, nor
