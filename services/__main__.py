@@ -15,6 +15,7 @@ import time
 
 import structlog
 
+from services.shell.cpus import split_engine_cpus
 from services.shell.registry import NAMES, SERVICES, port_offset, spec
 from shared.config import BatonConfig
 from shared.native import mkl_dispatch
@@ -115,8 +116,6 @@ def _engine_cpus(config: BatonConfig) -> dict[str, str]:
     given = {"BATON_PREFILL_CPUS", "BATON_DECODE_CPUS"} & os.environ.keys()
     if config.prefill_cpus or config.decode_cpus or given:
         return {}
-    from services.shell.cpus import split_engine_cpus
-
     split = split_engine_cpus(frozenset(os.sched_getaffinity(0)))
     if split is None:
         return {}

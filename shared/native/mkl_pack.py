@@ -12,9 +12,8 @@ and written once for a handful of output rows). ``cblas_sgemm_pack`` does that c
 | 1152 × 256 (gate/up) | 52 / 32 | 106 / 104 | 216 / 199 | 401 / 391 | equal |
 | 4096 × 256 (LM head) | 221 / 94 | 466 / 357 | 825 / 716 | 1,661 / 1,365 | equal |
 
-A whole decode step of the bench model, packed against the timed layouts: 3.52 -> 2.57 ms at
-batch 4, 5.57 -> 5.28 at 16, even at 64. A single row is the exception (MKL's GEMV beats the
-packed kernel by a few µs), which is why the layout is chosen by timing (linear_layout.py).
+Whole decode steps, and why one or two rows stay on the plain weight (MKL's GEMV beats the
+packed kernel there): the table in shared/engine/linear_layout.py.
 
 The functions are MKL's own, exported by torch's CPU library where torch is built with MKL (the
 x86 wheels); elsewhere :func:`available` is False and the weights stay plain. A packed weight is

@@ -68,8 +68,7 @@ def test_cpu_runner_keeps_checkpoint_values(arch: str) -> None:
     model = runner.model
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module.weight is not model.embed_tokens.weight:
-            w = module.weight  # stored or transposed, maybe packed too (linear_layout.py)
-            assert w.is_contiguous() or w.t().is_contiguous(), name
+            assert module.weight.t().is_contiguous(), name  # [in, out]; maybe packed too
     tied = model.config.tie_word_embeddings
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     assert model.embed_tokens.weight.is_contiguous()
