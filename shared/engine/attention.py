@@ -7,8 +7,10 @@ The runner builds one metadata object per forward (tensors, masks, gather indice
   CPU with an fp32 float cache, decode goes through the C kernel of cpu_attention.py instead
   (:class:`CpuKernelDecodeMetadata`: K and V read in place, once);
   prefill runs one SDPA per sequence, causal (``is_causal``) when it has no cached prefix, else
-  with a causal-with-offset mask. A quantised cache (``BATON_KV_CACHE_DTYPE=int8``,
-  kv_codec.py) decodes through :class:`TorchQuantDecodeMetadata` on any device.
+  with a causal-with-offset mask; on CPU in fp32 the fresh prompts (no cached prefix) go through
+  the C kernel of cpu_prefill_attention.py instead, all in one call. A quantised cache
+  (``BATON_KV_CACHE_DTYPE=int8``, kv_codec.py) decodes through
+  :class:`TorchQuantDecodeMetadata` on any device.
 - triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
   pools in place.
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from shared.engine.attention_triton import TritonAttentionBackend, block_table_tensor
 from shared.engine.cpu_attention import DecodeKernel, KernelBatch, load_kernel
+from shared.engine.cpu_prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
 from shared.engine.kv_codec import FloatKV, Int8KV, KVCodec
 
 log = structlog.get_logger(__name__)
@@ -201,11 +204,20 @@ class _PrefillSeq:
 
 
 @dataclass
+class _KernelPrompts:
+    """The fresh prompts the C prefill kernel computes (the other sequences take SDPA)."""
+
+    kernel: PrefillKernel
+    prompts: FreshPrompts
+
+
+@dataclass
 class TorchPrefillMetadata:
     slot_mapping: torch.Tensor  # int64 [T]
-    seqs: list[_PrefillSeq]
+    seqs: list[_PrefillSeq]  # those SDPA computes
     scale: float
     codec: KVCodec  # how the cache stores rows: a cached prefix is read back through it
+    fresh: _KernelPrompts | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
@@ -213,6 +225,8 @@ class TorchPrefillMetadata:
         store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
+        if self.fresh is not None:
+            self.fresh.kernel.attend(q, k, v, self.fresh.prompts, self.scale, out)
         for s in self.seqs:
             rows = slice(s.query_start, s.query_end)
             mask = None
@@ -258,13 +272,16 @@ class TorchAttentionBackend:
         device: torch.device,
         codec: KVCodec = FLOAT_KV,
         decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: PrefillKernel | None = None,
     ):
-        """``decode_kernel``: decode attention through the C kernel (an fp32 float cache on
-        CPU); None = the torch path."""
+        """``decode_kernel`` / ``prefill_kernel``: decode attention / fresh prompts' prefill
+        attention through the C kernels (fp32 on CPU, a float cache); None = the torch path."""
         self.codec = codec
         self.decode_kernel = decode_kernel
-        if decode_kernel is not None:
-            self.name = "torch+c-decode"
+        self.prefill_kernel = prefill_kernel
+        kernels = [n for n, k in (("decode", decode_kernel), ("prefill", prefill_kernel)) if k]
+        if kernels:
+            self.name = "torch+c-" + "+".join(kernels)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -308,9 +325,12 @@ class TorchAttentionBackend:
     ) -> TorchPrefillMetadata:
         dev, bs = self.device, self.block_size
         seqs: list[_PrefillSeq] = []
+        fresh: list[tuple[int, int]] = []
         start = 0
         for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
-            if n == ctx:
+            if n == ctx and self.prefill_kernel is not None:
+                fresh.append((start, start + n))
+            elif n == ctx:
                 seqs.append(_PrefillSeq(start, start + n, None))
             else:
                 nblk = (ctx + bs - 1) // bs
@@ -320,11 +340,16 @@ class TorchAttentionBackend:
                 mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
                 seqs.append(_PrefillSeq(start, start + n, _CachedPrefix(kv_rows, ctx, mask)))
             start += n
+        kernel_prompts = None
+        if fresh and self.prefill_kernel is not None:
+            prompts = FreshPrompts.of(fresh, start)
+            kernel_prompts = _KernelPrompts(self.prefill_kernel, prompts)
         return TorchPrefillMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             seqs=seqs,
             scale=self.scale,
             codec=self.codec,
+            fresh=kernel_prompts,
         )
 
 
@@ -341,10 +366,12 @@ def select_backend(
     codec: KVCodec = FLOAT_KV,
     dtype: torch.dtype = torch.float32,
     cpu_attention: str = "auto",
+    head_dim: int | None = None,
 ) -> AttentionBackend:
     """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
     decode over an fp32 float cache goes through the C kernel unless ``cpu_attention`` is
-    ``"torch"`` (or the kernel cannot be built).
+    ``"torch"`` (or the kernel cannot be built), and so does a fresh prompt's prefill where
+    ``head_dim`` is given and the prefill kernel takes it (a multiple of 16, up to 256).
 
     A quantised cache takes the torch path on every device: the Triton decode kernel's int8
     specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
@@ -364,9 +391,12 @@ def select_backend(
             log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    kernel = None
+    kernel = prefill_kernel = None
     if device.type == "cpu" and cpu_attention == "auto" and not codec.quantized:
-        kernel = load_kernel() if dtype == torch.float32 else None
+        if dtype == torch.float32:
+            kernel = load_kernel()
+            if head_dim is not None and PrefillKernel.supports(head_dim):
+                prefill_kernel = load_prefill_kernel()
     return TorchAttentionBackend(
-        num_blocks, block_size, num_kv_heads, scale, device, codec, decode_kernel=kernel
+        num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel
     )

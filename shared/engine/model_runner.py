@@ -93,6 +93,7 @@ class ModelRunner:
             self.kv_codec,
             self.dtype,
             config.cpu_attention,
+            cfg.head_dim,
         )
         self.sampler = Sampler()
         log.info(

@@ -1,0 +1,253 @@
+/* Causal attention of fresh prompts (no cached prefix), CPU, fp32, head sizes that are multiples
+ * of 16.
+ *
+ * SDPA's fused CPU kernel (flash_attention_for_cpu) runs a 128-token prompt's heads of 32 at
+ * ~10 GF/s: its blocking is made for long sequences and large heads, and each call pays for its
+ * own set-up. A prompt's K and V for one KV head are small (32 x 128 floats: 16 KB each), so here
+ * each (sequence, KV head) copies them once into a transposed K tile and a contiguous V tile that
+ * stay in L1/L2, and the head group's query rows are computed from them sixteen at a time
+ * (register-blocked: see block()), 2.0-2.3x faster than SDPA's path (16 prompts of 128 tokens,
+ * 8 query and 4 KV heads of 32, one thread, Zen 4: ~4.3 against ~9.7 ms a layer):
+ *
+ *   s[j] = scale * q_i . k_j                     j <= i (causal; the rest is never computed)
+ *   out_i = sum_j exp(s[j] - max s) v_j / sum_j exp(s[j] - max s)
+ *
+ * Rows of q, k, v and out are strided (q and k come out of the fused qkv projection as views);
+ * query head hq uses KV head hq / group (transformers' repeat_kv order). The exp is Cephes'
+ * single-precision polynomial on 16 lanes (within a few ulp of expf), so the numbers equal SDPA's
+ * up to rounding, like the decode kernel's. Work items (sequence, KV head) split into up to
+ * `parts` ranges on threads of our own (see paged_decode_attention.c for why not the caller's). */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat(float x) /* not 0 + x: without -ffast-math that is a scalar add */
+{
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+static inline v16 select16(vi16 mask, v16 a, v16 b) /* mask lanes are 0 or -1 */
+{
+    return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
+}
+
+static inline float hmax16(v16 v)
+{
+    float a[16], m;
+    memcpy(a, &v, sizeof a);
+    m = a[0];
+    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+static inline float hsum16(v16 v)
+{
+    float a[16], s = 0.f;
+    memcpy(a, &v, sizeof a);
+    for (int i = 0; i < 16; i++) s += a[i];
+    return s;
+}
+
+/* exp(x) for the shifted scores x <= 0: x = n ln2 + r with n = round(x / ln2), a degree-6
+ * polynomial in r, and 2^n put into the exponent bits. Below -80 the result is clamped to
+ * exp(-80) ~ 1.8e-35, so every product stays a normal float (subnormals are slow); the callers
+ * zero the masked weights after. */
+static inline v16 exp16(v16 x)
+{
+    const v16 lo = splat(-80.0f), magic = splat(12582912.0f); /* 1.5 * 2^23: round to int */
+    x = select16(x < lo, lo, x);
+    const v16 t = x * splat(1.44269504088896341f) + magic;
+    const v16 n = t - magic;
+    const vi16 ni = (vi16)t - (vi16)magic;
+    const v16 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+    v16 y = splat(1.9875691500e-4f);
+    y = y * r + splat(1.3981999507e-3f);
+    y = y * r + splat(8.3334519073e-3f);
+    y = y * r + splat(4.1665795894e-2f);
+    y = y * r + splat(1.6666665459e-1f);
+    y = y * r + splat(5.0000001201e-1f);
+    y = y * r * r + r + splat(1.0f);
+    return y * (v16)((ni + 127) << 23);
+}
+
+struct call {
+    const float *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride, out_stride; /* floats between consecutive tokens */
+    const int64_t *seq_bounds;                        /* [num_seqs][2]: first, end */
+    int64_t num_heads, num_kv_heads, head_dim, max_len;
+    float scale;
+    float *out;
+};
+
+/* Sixteen query rows r0.. r0 + nr - 1 (nr <= 16) of query head hq, as register-blocked tiles:
+ * scores 16 rows x 16 keys at a time (each K load feeds 16 FMAs, 16 independent chains), then
+ * each row's softmax, then out = P V eight (or fewer, by head size) rows at a time, each V row
+ * loaded once for all of them. D is a constant in each specialisation, so the accumulators stay
+ * in registers. kt: [D][n16] (K transposed), vt: [n16][D] (rows past the sequence 0), S:
+ * [16][n16] scratch; q row r is at q + r * q_stride, out row r at out + r * out_stride. */
+static inline __attribute__((always_inline)) void block(const float *restrict q, int64_t q_stride,
+                                                        const float *restrict kt,
+                                                        const float *restrict vt,
+                                                        float *restrict S, int64_t n16,
+                                                        int64_t r0, int64_t nr, float scale,
+                                                        float *restrict out, int64_t out_stride,
+                                                        const int64_t D)
+{
+    const float *qr[16];
+    for (int r = 0; r < 16; r++) qr[r] = q + (r0 + (r < nr ? r : 0)) * q_stride;
+    const int64_t tiles = (r0 + nr - 1) / 16 + 1;
+    for (int64_t t = 0; t < tiles; t++) {
+        v16 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = (v16){0};
+        const float *kc = kt + t * 16;
+        for (int64_t d = 0; d < D; d++) {
+            const v16 kd = load16(kc + d * n16);
+            for (int r = 0; r < 16; r++) acc[r] += splat(qr[r][d]) * kd;
+        }
+        for (int r = 0; r < 16; r++) store16(S + r * n16 + t * 16, acc[r] * splat(scale));
+    }
+    float inv[16];
+    for (int64_t r = 0; r < nr; r++) {
+        float *sr = S + r * n16;
+        const int64_t i = r0 + r, own = i / 16 + 1; /* columns 0..i, in `own` tiles */
+        for (int64_t l = i + 1; l < own * 16; l++) sr[l] = -3.0e38f; /* below any score */
+        v16 mx = splat(-3.0e38f);
+        for (int64_t t = 0; t < own; t++) {
+            const v16 x = load16(sr + t * 16);
+            mx = select16(x > mx, x, mx);
+        }
+        const v16 m = splat(hmax16(mx));
+        v16 sum;
+        for (int64_t t = 0; t < own; t++) store16(sr + t * 16, exp16(load16(sr + t * 16) - m));
+        /* Weight 0 past i, also in the block's later tiles (its PV below runs over all of them);
+         * exp16 floored the masked scores at ~1e-35, so the sum is taken again without them. */
+        for (int64_t l = i + 1; l < tiles * 16; l++) sr[l] = 0.f;
+        sum = (v16){0};
+        for (int64_t t = 0; t < own; t++) sum += load16(sr + t * 16);
+        inv[r] = 1.0f / hsum16(sum);
+    }
+    enum { MAXV = 16 };
+    const int64_t nv = D / 16, R = nv >= 8 ? 2 : 16 / nv > 8 ? 8 : 16 / nv;
+    const int64_t cols = tiles * 16;
+    for (int64_t h0 = 0; h0 < nr; h0 += R) {
+        v16 o[8][MAXV];
+        for (int64_t rr = 0; rr < R; rr++)
+            for (int64_t x = 0; x < nv; x++) o[rr][x] = (v16){0};
+        for (int64_t j = 0; j < cols; j++) {
+            const float *vj = vt + j * D;
+            for (int64_t rr = 0; rr < R; rr++) {
+                const v16 w = splat(S[(h0 + rr < 16 ? h0 + rr : 0) * n16 + j]);
+                for (int64_t x = 0; x < nv; x++) o[rr][x] += w * load16(vj + 16 * x);
+            }
+        }
+        for (int64_t rr = 0; rr < R && h0 + rr < nr; rr++) {
+            float *orow = out + (r0 + h0 + rr) * out_stride;
+            for (int64_t x = 0; x < nv; x++) store16(orow + 16 * x, o[rr][x] * splat(inv[h0 + rr]));
+        }
+    }
+}
+
+static void block_generic(const float *q, int64_t q_stride, const float *kt, const float *vt,
+                          float *S, int64_t n16, int64_t r0, int64_t nr, float scale, float *out,
+                          int64_t out_stride, int64_t D)
+{
+    block(q, q_stride, kt, vt, S, n16, r0, nr, scale, out, out_stride, D);
+}
+
+/* Every query row of KV head h's query heads in one sequence. */
+static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, float *vt, float *S)
+{
+    const int64_t start = c->seq_bounds[2 * seq], n = c->seq_bounds[2 * seq + 1] - start;
+    const int64_t D = c->head_dim, group = c->num_heads / c->num_kv_heads, n16 = (n + 15) & ~15;
+    for (int64_t j = 0; j < n; j++) {
+        const float *kj = c->k + (start + j) * c->k_stride + h * D;
+        const float *vj = c->v + (start + j) * c->v_stride + h * D;
+        if (j + 4 < n) { /* rows are a projection's row apart: ask ahead for the next ones */
+            __builtin_prefetch(kj + 4 * c->k_stride);
+            __builtin_prefetch(vj + 4 * c->v_stride);
+        }
+        for (int64_t d = 0; d < D; d++) kt[d * n16 + j] = kj[d];
+        memcpy(vt + j * D, vj, (size_t)D * sizeof *vt);
+    }
+    for (int64_t d = 0; d < D; d++) /* the last tile's columns past n score 0, then drop out */
+        for (int64_t j = n; j < n16; j++) kt[d * n16 + j] = 0.f;
+    memset(vt + n * D, 0, (size_t)((n16 - n) * D) * sizeof *vt); /* weight 0 times 0, not NaN */
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t hq = h * group + g;
+        const float *q = c->q + start * c->q_stride + hq * D;
+        float *out = c->out + start * c->out_stride + hq * D;
+        for (int64_t r0 = 0; r0 < n; r0 += 16) {
+            const int64_t nr = n - r0 < 16 ? n - r0 : 16;
+            switch (D) {
+            case 32: block(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, 32); break;
+            case 64: block(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, 64); break;
+            case 128: block(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, 128); break;
+            default: block_generic(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, D);
+            }
+        }
+    }
+}
+
+struct part {
+    const struct call *c;
+    int64_t w0, w1; /* work items seq * num_kv_heads + h */
+};
+
+static void *run_part(void *arg)
+{
+    const struct part *p = arg;
+    const struct call *c = p->c;
+    const int64_t n16 = (c->max_len + 15) & ~15, D = c->head_dim;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * D * n16 + 16 * n16));
+    if (buf == NULL) return (void *)1;
+    for (int64_t w = p->w0; w < p->w1; w++)
+        attend(c, w / c->num_kv_heads, w % c->num_kv_heads, buf, buf + D * n16, buf + 2 * D * n16);
+    free(buf);
+    return NULL;
+}
+
+#define MAX_PARTS 64
+
+/* 0 on success; 1 if scratch memory could not be had (out is then incomplete). */
+int baton_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                                const float *v, int64_t v_stride, const int64_t *seq_bounds,
+                                int64_t num_seqs, int64_t max_len, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, float scale, float *out,
+                                int64_t out_stride, int64_t parts)
+{
+    const struct call c = {q, k, v, q_stride, k_stride, v_stride, out_stride, seq_bounds,
+                           num_heads, num_kv_heads, head_dim, max_len, scale, out};
+    const int64_t work = num_seqs * num_kv_heads;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
+    if (parts > work) parts = work;
+    if (parts < 1) parts = 1;
+    struct part jobs[MAX_PARTS];
+    pthread_t threads[MAX_PARTS];
+    int started[MAX_PARTS] = {0};
+    for (int64_t i = 0; i < parts; i++) jobs[i] = (struct part){&c, work * i / parts, work * (i + 1) / parts};
+    for (int64_t i = 1; i < parts; i++)
+        started[i] = pthread_create(&threads[i], NULL, run_part, &jobs[i]) == 0;
+    int failed = run_part(&jobs[0]) != NULL;
+    for (int64_t i = 1; i < parts; i++) {
+        void *r = NULL;
+        if (started[i])
+            pthread_join(threads[i], &r);
+        else
+            r = run_part(&jobs[i]);
+        failed |= r != NULL;
+    }
+    return failed;
+}
