@@ -17,15 +17,13 @@ warning).
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from shared.native.build import CSRC, build_library, default_cache_dir
+from shared.native.build import CSRC, load_library, usable_cpus
 
 log = structlog.get_logger(__name__)
 
@@ -116,10 +114,7 @@ def load_kernel(
     """Build (once per machine and source) and load the kernel; None if it cannot be built.
     ``max_threads``: the most threads a call may split into (default: the cores this process
     may run on; each call uses at most ``torch.get_num_threads()`` of them)."""
-    threads = len(os.sched_getaffinity(0)) if max_threads is None else max_threads
-    try:
-        path = build_library(SOURCE, FLAGS, cache_dir or default_cache_dir())
-        return DecodeKernel(ctypes.CDLL(str(path)), path, threads)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("C decode attention unavailable; using the torch path", error=str(exc))
+    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="the torch path")
+    if loaded is None:
         return None
+    return DecodeKernel(*loaded, usable_cpus() if max_threads is None else max_threads)

@@ -15,15 +15,13 @@ gathered cache. Built and loaded like the decode kernel (cpu_attention.py).
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from shared.native.build import CSRC, build_library, default_cache_dir
+from shared.native.build import CSRC, load_library, usable_cpus
 
 log = structlog.get_logger(__name__)
 
@@ -105,10 +103,7 @@ def load_prefill_kernel(
     cache_dir: Path | None = None, max_threads: int | None = None
 ) -> PrefillKernel | None:
     """Build (once per machine and source) and load the kernel; None if it cannot be built."""
-    threads = len(os.sched_getaffinity(0)) if max_threads is None else max_threads
-    try:
-        path = build_library(SOURCE, FLAGS, cache_dir or default_cache_dir())
-        return PrefillKernel(ctypes.CDLL(str(path)), path, threads)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("C prefill attention unavailable; using SDPA", error=str(exc))
+    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="SDPA")
+    if loaded is None:
         return None
+    return PrefillKernel(*loaded, usable_cpus() if max_threads is None else max_threads)

@@ -9,6 +9,7 @@ load half a library.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -52,6 +53,24 @@ def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path) -> Path
             os.unlink(tmp)
     log.info("built a C library", path=str(path))
     return path
+
+
+def load_library(
+    source: Path, flags: tuple[str, ...], cache_dir: Path | None, fallback: str
+) -> tuple[ctypes.CDLL, Path] | None:
+    """The library of ``source`` built (once) and loaded, with its path; None, with one warning
+    naming what serves instead (``fallback``), if it cannot be built or loaded."""
+    try:
+        path = build_library(source, flags, cache_dir or default_cache_dir())
+        return ctypes.CDLL(str(path)), path
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning(f"{source.name} unavailable; {fallback} serves", error=str(exc))
+        return None
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on: the most threads a native call should split into."""
+    return len(os.sched_getaffinity(0))
 
 
 def default_cache_dir() -> Path:
