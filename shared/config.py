@@ -58,9 +58,10 @@ class BatonConfig:
     # p99 1.01-1.52x against 0.79-1.05x at 0). Default off. See services/shell/cpus.py.
     prefill_nice: int = 0
     decode_nice: int = 0
-    # CPU decode attention over an fp32 cache: "auto" = the C kernel of
-    # shared/engine/csrc (compiled on first use; the torch path if no C compiler), "torch" = the
-    # torch path. See shared/engine/cpu_attention.py.
+    # CPU attention in fp32 over a float cache: "auto" = the C kernels of shared/engine/csrc for
+    # decode and for fresh prompts' prefill (compiled on first use; the torch path if no C
+    # compiler), "torch" = the torch path (SDPA for prefill). See shared/engine/cpu_attention.py
+    # and cpu_prefill_attention.py.
     cpu_attention: str = "auto"
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512 on
     # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library
