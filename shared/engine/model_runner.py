@@ -19,6 +19,7 @@ import torch
 from shared.config import BatonConfig
 from shared.core.limits import Limits
 from shared.engine.attention import AttentionMetadata, select_backend
+from shared.engine.cpu_argmax import load_argmax
 from shared.engine.kv_codec import make_kv_codec
 from shared.engine.linear_layout import prepare_projections
 from shared.engine.loader import load_model, parse_dtype
@@ -95,7 +96,10 @@ class ModelRunner:
             config.cpu_attention,
             cfg.head_dim,
         )
-        self.sampler = Sampler()
+        # Greedy rows through the C argmax on CPU (the same indices as torch's; turned off with
+        # the other C kernels by BATON_CPU_ATTENTION=torch).
+        on_cpu_c = self.device.type == "cpu" and config.cpu_attention == "auto"
+        self.sampler = Sampler(load_argmax() if on_cpu_c else None)
         log.info(
             "model runner ready",
             num_kv_blocks=self.num_kv_blocks,

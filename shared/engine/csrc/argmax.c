@@ -1,0 +1,52 @@
+/* Row-wise argmax of fp32 rows (a decode step's logits), CPU.
+ *
+ * torch.max(dim=-1) tracks an index beside every compared value, one lane at a time: ~380 us for
+ * 64 rows of a 4,096-token vocabulary on one Zen 4 core, ~3% of a batch-64 decode step of the
+ * bench model. Here each row takes two passes: a 16-lane maximum, then a scan for its first
+ * occurrence (the row is in L1/L2 by then). The answer is torch's exactly: the first index of the
+ * maximum, and a NaN counts as larger than any number (the first NaN's index if the row has one).
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static int64_t argmax_row(const float *restrict p, int64_t n)
+{
+    int64_t j = 0;
+    float best = p[0];
+    int has_nan = 0;
+    if (n >= 16) {
+        v16 m, x;
+        vi16 nan = {0};
+        memcpy(&m, p, sizeof m);
+        for (j = 0; j + 16 <= n; j += 16) {
+            memcpy(&x, p + j, sizeof x);
+            const vi16 gt = x > m;
+            m = (v16)(((vi16)x & gt) | ((vi16)m & ~gt));
+            nan |= x != x;
+        }
+        float lanes[16];
+        int32_t nans[16];
+        memcpy(lanes, &m, sizeof lanes);
+        memcpy(nans, &nan, sizeof nans);
+        best = lanes[0];
+        for (int l = 0; l < 16; l++) {
+            best = lanes[l] > best ? lanes[l] : best;
+            has_nan |= nans[l] != 0;
+        }
+    }
+    for (; j < n; j++) { /* the tail past the last whole vector */
+        best = p[j] > best ? p[j] : best;
+        has_nan |= p[j] != p[j];
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (has_nan ? p[i] != p[i] : p[i] == best) return i;
+    return 0; /* unreachable: best is one of the row's values */
+}
+
+void baton_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out)
+{
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * row_stride, cols);
+}
