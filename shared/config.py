@@ -59,9 +59,9 @@ class BatonConfig:
     prefill_nice: int = 0
     decode_nice: int = 0
     # CPU attention in fp32 over a float cache: "auto" = the C kernels of shared/engine/csrc for
-    # decode and for fresh prompts' prefill, and greedy rows' argmax (compiled on first use; the
-    # torch path if no C compiler), "torch" = the torch path (SDPA for prefill). See
-    # shared/engine/cpu_attention.py, cpu_prefill_attention.py, cpu_argmax.py.
+    # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use;
+    # the torch path if no C compiler), "torch" = the torch path (SDPA for prefill). See
+    # shared/engine/cpu_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
     cpu_attention: str = "auto"
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512 on
     # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.attention import AttentionMetadata, attention
+from shared.engine.cpu_rope import RopeKernel
 from shared.engine.model_config import ModelConfig
 from shared.native.mkl_pack import PackedWeight
 
@@ -82,6 +83,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # RoPE in place through C (cpu_rope.py, bit-identical to apply_rope); set by the runner on CPU.
+    rope_kernel: RopeKernel | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -112,7 +116,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk[:, : self.num_heads] = self.q_norm.forward(qk[:, : self.num_heads])
             qk[:, self.num_heads :] = self.k_norm.forward(qk[:, self.num_heads :])
-        qk = apply_rope(qk, cos, sin)
+        if self.rope_kernel is not None and self.rope_kernel.takes(qk, cos, sin):
+            qk = self.rope_kernel(qk, cos, sin)  # qkv is this forward's own buffer
+        else:
+            qk = apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta)
         return self.o_proj.project(out.reshape(num_tokens, self.q_size))
@@ -180,6 +187,12 @@ class CausalLM(nn.Module):
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             hidden = layer.forward(hidden, cos, sin, kv_layer, meta)
         return hidden
+
+    def use_rope_kernel(self, kernel: RopeKernel | None) -> None:
+        """Every attention layer's RoPE through ``kernel`` where it takes the inputs."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.rope_kernel = kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the rows given (only the tokens that sample). Norm is row-wise, so

@@ -20,6 +20,7 @@ from shared.config import BatonConfig
 from shared.core.limits import Limits
 from shared.engine.attention import AttentionMetadata, select_backend
 from shared.engine.cpu_argmax import load_argmax
+from shared.engine.cpu_rope import load_rope
 from shared.engine.kv_codec import make_kv_codec
 from shared.engine.linear_layout import prepare_projections
 from shared.engine.loader import load_model, parse_dtype
@@ -78,6 +79,8 @@ class ModelRunner:
             # A CPU decode step is bound by streaming weights and KV from memory.
             num_packed = prepare_projections(self.model)
             log.info("projections transposed", packed_for_mkl=num_packed)
+            if config.cpu_attention == "auto" and self.dtype == torch.float32:
+                self.model.use_rope_kernel(load_rope())
         shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
         if shared is not None:
             self.kv_cache = shared  # zeroed by its owner

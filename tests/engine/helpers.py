@@ -8,8 +8,9 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import pytest
 import torch
 
 from shared.config import REPO_ROOT, BatonConfig
@@ -29,6 +30,17 @@ from shared.engine import ModelRunner, SamplingParams, Sequence
 from shared.models.tiny.builder import ensure_tiny_model
 
 MODELS_DIR = REPO_ROOT / "models"
+
+
+K = TypeVar("K")
+
+
+def built_or_skip(kernel: K | None, fallback: str) -> K:
+    """A native kernel's test module needs the kernel: skipped without a C compiler (the
+    ``fallback`` that serves then is tested elsewhere)."""
+    if kernel is None:
+        pytest.skip(f"no C compiler: {fallback} serves (tested elsewhere)")
+    return kernel
 
 
 def tiny_model_dir(arch: str, preset: str = "tiny") -> Path:

@@ -9,14 +9,12 @@ import torch
 from shared.engine.cpu_argmax import ArgmaxKernel, load_argmax
 from shared.engine.sampler import Sampler, torch_argmax
 from shared.engine.sequence import SamplingParams
+from tests.engine.helpers import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def argmax(tmp_path_factory: pytest.TempPathFactory) -> ArgmaxKernel:
-    k = load_argmax(tmp_path_factory.mktemp("kernels"))
-    if k is None:
-        pytest.skip("no C compiler: torch's max serves")
-    return k
+    return built_or_skip(load_argmax(tmp_path_factory.mktemp("kernels")), "torch's max")
 
 
 @pytest.mark.parametrize("cols", [1, 5, 16, 17, 100, 4096, 4097])

@@ -19,17 +19,15 @@ from shared.engine.attention import (
 )
 from shared.engine.cpu_attention import FLAGS, SOURCE, DecodeKernel, KernelBatch, load_kernel
 from shared.native.build import build_library
-from tests.engine.helpers import torch_threads
+from tests.engine.helpers import built_or_skip, torch_threads
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
-    k = load_kernel(tmp_path_factory.mktemp("kernels"), max_threads=1)
-    if k is None:
-        pytest.skip("no C compiler: the torch path serves (tested elsewhere)")
-    return k
+    loaded = load_kernel(tmp_path_factory.mktemp("kernels"), max_threads=1)
+    return built_or_skip(loaded, "the torch path")
 
 
 Case = tuple[

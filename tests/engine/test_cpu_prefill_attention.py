@@ -14,17 +14,15 @@ import torch.nn.functional as F
 
 from shared.engine.attention import TorchAttentionBackend, select_backend
 from shared.engine.cpu_prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
-from tests.engine.helpers import torch_threads
+from tests.engine.helpers import built_or_skip, torch_threads
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> PrefillKernel:
-    k = load_prefill_kernel(tmp_path_factory.mktemp("kernels"), max_threads=2)
-    if k is None:
-        pytest.skip("no C compiler: SDPA serves (tested elsewhere)")
-    return k
+    loaded = load_prefill_kernel(tmp_path_factory.mktemp("kernels"), max_threads=2)
+    return built_or_skip(loaded, "SDPA")
 
 
 def _qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int):  # type: ignore[no-untyped-def]
