@@ -9,7 +9,8 @@
  * (register-blocked: see block()), 2.0-2.3x faster than SDPA's path (16 prompts of 128 tokens,
  * 8 query and 4 KV heads of 32, one thread, Zen 4: ~4.3 against ~9.7 ms a layer):
  *
- *   s[j] = scale * q_i . k_j                     j <= i (causal; the rest is never computed)
+ *   s[j] = scale * q_i . k_j                     j <= i (causal: a block of rows computes the
+ *                                                tiles up to its last row, masks past each row)
  *   out_i = sum_j exp(s[j] - max s) v_j / sum_j exp(s[j] - max s)
  *
  * Rows of q, k, v and out are strided (q and k come out of the fused qkv projection as views);
