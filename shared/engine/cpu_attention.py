@@ -20,12 +20,9 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
 import torch
 
 from shared.native.build import CSRC, load_library, usable_cpus
-
-log = structlog.get_logger(__name__)
 
 SOURCE = CSRC / "paged_decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread")

@@ -18,12 +18,9 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
 import torch
 
 from shared.native.build import CSRC, load_library, usable_cpus
-
-log = structlog.get_logger(__name__)
 
 SOURCE = CSRC / "prefill_attention.c"
 # Contracted multiply-adds (FMA): the decode kernel's flags plus -ffp-contract=fast, which

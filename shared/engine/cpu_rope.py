@@ -46,13 +46,19 @@ class RopeKernel:
             )
         )
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated in place (and returned); ValueError if :meth:`takes` says no."""
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """``x`` rotated in place if :meth:`takes` it (True); else untouched (False)."""
         if not self.takes(x, cos, sin):
-            raise ValueError(f"x {tuple(x.shape)} {x.dtype} strides {x.stride()}: not in place")
+            return False
         num_tokens, num_heads, head_dim = x.shape
         self._rope(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), cos.data_ptr(),
                    sin.data_ptr())  # fmt: skip
+        return True
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated in place (and returned); ValueError if :meth:`takes` says no."""
+        if not self.rotate(x, cos, sin):
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype} strides {x.stride()}: not in place")
         return x
 
 

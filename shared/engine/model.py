@@ -116,9 +116,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk[:, : self.num_heads] = self.q_norm.forward(qk[:, : self.num_heads])
             qk[:, self.num_heads :] = self.k_norm.forward(qk[:, self.num_heads :])
-        if self.rope_kernel is not None and self.rope_kernel.takes(qk, cos, sin):
-            qk = self.rope_kernel(qk, cos, sin)  # qkv is this forward's own buffer
-        else:
+        # In place where the kernel takes it (qkv is this forward's own buffer), checked once.
+        if self.rope_kernel is None or not self.rope_kernel.rotate(qk, cos, sin):
             qk = apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta)

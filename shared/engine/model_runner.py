@@ -75,11 +75,14 @@ class ModelRunner:
             cfg.num_kv_heads,
             row_width,
         )
+        # The small C kernels (RoPE, greedy argmax; attention in select_backend): CPU, and not
+        # turned off by BATON_CPU_ATTENTION=torch.
+        c_kernels = self.device.type == "cpu" and config.cpu_attention == "auto"
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
             num_packed = prepare_projections(self.model)
             log.info("projections transposed", packed_for_mkl=num_packed)
-            if config.cpu_attention == "auto" and self.dtype == torch.float32:
+            if c_kernels and self.dtype == torch.float32:
                 self.model.use_rope_kernel(load_rope())
         shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
         if shared is not None:
@@ -99,10 +102,8 @@ class ModelRunner:
             config.cpu_attention,
             cfg.head_dim,
         )
-        # Greedy rows through the C argmax on CPU (the same indices as torch's; turned off with
-        # the other C kernels by BATON_CPU_ATTENTION=torch).
-        on_cpu_c = self.device.type == "cpu" and config.cpu_attention == "auto"
-        self.sampler = Sampler(load_argmax() if on_cpu_c else None)
+        # Greedy rows through the C argmax (the same indices as torch's).
+        self.sampler = Sampler(load_argmax() if c_kernels else None)
         log.info(
             "model runner ready",
             num_kv_blocks=self.num_kv_blocks,
