@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# GPU check: the kernel tests compiled for the GPU at full size, the kernel benchmarks, and the
-# cuda-ipc KV handoff between two real processes (1k tokens of a Llama-3.1-8B-shaped KV, bf16:
-# bytes checked equal, time per handoff). Meant for a lent H200 (torch + triton preinstalled):
+# GPU check, one run on a lent H200 (torch, triton and pytest preinstalled there; the few pure-
+# Python packages missing there travel as wheels in .whl/, installed with --no-deps):
 #     OUT=/some/dir scripts/gpu_check.sh
-# Writes under $OUT (default ./out): env.txt, pytest.xml, pytest.log, bench.json, bench.log,
-# cuda_ipc.log. Budget: under 7 minutes (pytest 240 s, bench 100 s, cuda-ipc 60 s). Exit status:
-# the first failure of pytest, the bench, the cuda-ipc check.
+# 1. tests on CUDA: the Triton kernels at full size (tests/kernels), the engines on the Triton
+#    backend against the torch backend, the host tier of the KV cache with pinned host memory
+#    (tests/engine/test_kv_tiers.py, tests/core/test_host_tier.py), the GPU memory metrics;
+# 2. the kernel benchmarks (kernels/bench.py);
+# 3. the cuda-ipc KV handoff between two real processes (1k tokens of a Llama-3.1-8B-shaped KV);
+# 4. what the host tier costs a decode step (loadtest/host_tier_bench.py).
+# Writes under $OUT (default ./out; at most 8 files come back): env.txt, pytest.log, bench.json,
+# bench.log, cuda_ipc.log, host_tier.json, host_tier.log, summary.txt. Budget: under 6.5 minutes
+# (pytest 170 s, bench 90 s, cuda-ipc 45 s, host tier 80 s). Exit status: the first failure.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 BATON_MKL_DISPATCH=stock
 unset TRITON_INTERPRET  # the tests pick the interpreter only when CUDA is missing
 
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! "$PY" -c "import triton" 2>/dev/null; then
     echo "triton missing: installing triton only"
     "$PY" -m pip install -q triton || exit 1
@@ -27,32 +36,45 @@ fi
     "$PY" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, \
 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); \
 print('triton', triton.__version__)"
+    nproc
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+
+# The tiny models, once, before any worker needs them (they travel in models/ when carried).
+"$PY" -c "from tests.engine.helpers import tiny_model_dir; tiny_model_dir('llama')" || exit 1
 
 # Kernel compilation dominates the test time; spread it over processes when xdist is there.
 parallel=()
 if "$PY" -c "import xdist" 2>/dev/null; then
-    parallel=(-n 6)
+    parallel=(-n 8)
 fi
 start=$(date +%s)
-timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
-    --junitxml="$OUT/pytest.xml" --durations=10 2>&1 | tee "$OUT/pytest.log"
+timeout 170 "$PY" -m pytest -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+    tests/kernels tests/engine/test_triton_backend.py tests/engine/test_kv_tiers.py \
+    tests/core/test_host_tier.py tests/test_metrics.py::test_cuda_device_exports_gpu_memory \
+    -rs --durations=10 2>&1 | tee "$OUT/pytest.log"
 test_rc=${PIPESTATUS[0]}
-echo "pytest exit $test_rc after $(($(date +%s) - start)) s"
+echo "pytest exit $test_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
 
 start=$(date +%s)
-timeout 100 "$PY" -m kernels.bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout 90 "$PY" -m kernels.bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
-echo "bench exit $bench_rc after $(($(date +%s) - start)) s"
+echo "bench exit $bench_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
 
 # The same-node GPU handoff (shared/kv_transfer/cuda_ipc.py): two processes, one CUDA IPC export.
 start=$(date +%s)
-timeout 60 "$PY" -m shared.kv_transfer.cuda_ipc --selftest 2>&1 | tee "$OUT/cuda_ipc.log"
+timeout 45 "$PY" -m shared.kv_transfer.cuda_ipc --selftest 2>&1 | tee "$OUT/cuda_ipc.log"
 ipc_rc=${PIPESTATUS[0]}
-echo "cuda-ipc selftest exit $ipc_rc after $(($(date +%s) - start)) s"
+echo "cuda-ipc selftest exit $ipc_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
 
-for rc in "$test_rc" "$bench_rc" "$ipc_rc"; do
+start=$(date +%s)
+timeout 80 "$PY" -m loadtest.host_tier_bench --out "$OUT/host_tier.json" 2>&1 \
+    | tee "$OUT/host_tier.log"
+tier_rc=${PIPESTATUS[0]}
+echo "host tier bench exit $tier_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
+
+tail -n 3 "$OUT/pytest.log" >>"$OUT/summary.txt"
+for rc in "$test_rc" "$bench_rc" "$ipc_rc" "$tier_rc"; do
     if [ "$rc" -ne 0 ]; then
         exit "$rc"
     fi

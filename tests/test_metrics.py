@@ -29,6 +29,8 @@ EXPECTED_FAMILIES = {
     "baton:kv_cache_usage_perc": "gauge",
     "baton:kv_blocks_used": "gauge",
     "baton:kv_blocks_free": "gauge",
+    "baton:kv_host_blocks_used": "gauge",
+    "baton:kv_host_staged_blocks": "counter",
     "baton:prefix_cache_queries": "counter",
     "baton:prefix_cache_hits": "counter",
     "baton:handoff_bytes": "counter",
@@ -281,6 +283,8 @@ def test_engine_step_facts_feed_the_metrics() -> None:
     sm.on_step(_stats(prefix_queries_total=96, prefix_hits_total=32, preemptions_total=2))
     sm.on_transfer(KVTransferStat("shm", 4096, 0.002))
     sm.on_load(EngineLoad(num_waiting=2, num_running=3, num_used_blocks=30, num_free_blocks=10))
+    for staged in (40, 40, 55):  # a host tier's cumulative copies, as each step reports them
+        sm.on_load(EngineLoad(2, 3, 30, 10, num_host_blocks_used=12, num_staged_blocks=staged))
     sm.on_redelivered("baton.decode")
     f = _families(sm.metrics.render().decode())
     assert _sample(f, "baton:generation_tokens", "baton:generation_tokens_total") == 8
@@ -292,6 +296,9 @@ def test_engine_step_facts_feed_the_metrics() -> None:
     utilization = "baton:batch_token_utilization"
     assert _sample(f, utilization, utilization + "_sum") == pytest.approx(2 * 4 / 8)
     assert _sample(f, "baton:kv_cache_usage_perc", "baton:kv_cache_usage_perc") == 0.75
+    assert _sample(f, "baton:kv_host_blocks_used", "baton:kv_host_blocks_used") == 12
+    staged = "baton:kv_host_staged_blocks"
+    assert _sample(f, staged, staged + "_total") == 55
     bandwidth = "baton:memory_bandwidth_bytes_per_second"
     assert _sample(f, bandwidth, bandwidth) == pytest.approx((1000 + 100 * 10) / 0.01)
     handoff = "baton:handoff_bytes"

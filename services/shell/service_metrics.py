@@ -48,6 +48,7 @@ class ServiceMetrics:
         self._last_preemptions = 0
         self._last_swaps = (0, 0)  # (out, in)
         self._last_connector = KVConnectorStats()
+        self._last_staged_blocks = 0  # EngineLoad.num_staged_blocks is cumulative
         self._step_weight_bytes = 0
         self._kv_bytes_per_token = 0
 
@@ -191,6 +192,9 @@ class ServiceMetrics:
         self.metrics.num_requests_running.set(load.num_running)
         self.metrics.num_requests_waiting.set(load.num_waiting)
         self.metrics.set_kv_blocks(load.num_used_blocks, load.num_free_blocks)
+        self.metrics.kv_host_blocks_used.set(load.num_host_blocks_used)
+        self.metrics.kv_host_staged_blocks.inc(load.num_staged_blocks - self._last_staged_blocks)
+        self._last_staged_blocks = load.num_staged_blocks
 
     def on_connector(self, stats: KVConnectorStats) -> None:
         """The KV connector's counters, read after each step (cumulative: add what is new)."""

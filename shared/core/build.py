@@ -20,10 +20,20 @@ def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> 
     return PrefillEngine(config, runner, connector)
 
 
-def build_decode_engine(config: BatonConfig, model_dir: Path | None = None) -> DecodeEngine:
+def build_decode_engine(
+    config: BatonConfig, model_dir: Path | None = None, kv_host_cache_bytes: int | None = None
+) -> DecodeEngine:
+    """``kv_host_cache_bytes``: the host tier's size, exact (default ``kv_host_cache_mb``)."""
     swap = make_swap_connector(config)
     connector = make_connector(config, role="decode")
-    runner = ModelRunner(config, model_dir, allocate_kv_cache=connector.allocate_kv_cache)
+    if kv_host_cache_bytes is None:
+        kv_host_cache_bytes = config.kv_host_cache_mb << 20
+    runner = ModelRunner(
+        config,
+        model_dir,
+        allocate_kv_cache=connector.allocate_kv_cache,
+        kv_host_cache_bytes=kv_host_cache_bytes,
+    )
     return DecodeEngine(config, runner, connector, swap)
 
 

@@ -16,6 +16,7 @@ full, the victim stays here and recomputes (``recompute`` mode always does).
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import structlog
 
@@ -106,7 +107,8 @@ class DecodeEngine(EngineCore):
         are freed by the scheduler right after) and hand the request on at the end of the step."""
         assert self.swap is not None
         try:
-            desc = self.swap.send(seq.request_id, seq.block_table, seq.num_computed_tokens)
+            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
+                desc = self.swap.send(seq.request_id, block_ids, seq.num_computed_tokens)
         except Exception:
             log.exception("swap-out failed; recomputing", request_id=seq.request_id)
             return False
@@ -116,6 +118,15 @@ class DecodeEngine(EngineCore):
         self._swapped[seq.request_id] = desc
         log.info("swapped out", request_id=seq.request_id, num_tokens=desc.num_tokens)
         return True
+
+    def _device_ids(
+        self, block_ids: list[int], *, read: bool, write: bool
+    ) -> AbstractContextManager[list[int]]:
+        """Transports see the device cache only: host-tier blocks pass through staging."""
+        tier = self.runner.host_tier
+        if tier is None:
+            return nullcontext(block_ids)
+        return tier.device_ids(block_ids, read=read, write=write)
 
     def _hand_on_swapped(self, now: float, out: StepOutput) -> None:
         for rid, desc in self._swapped.items():
@@ -190,7 +201,8 @@ class DecodeEngine(EngineCore):
         first = seq.num_computed_tokens // self.block_manager.block_size
         last = self.block_manager.blocks_for(desc.num_tokens)
         try:
-            result = self._receiver(desc).load(desc, seq.block_table[first:last], first)
+            with self._device_ids(seq.block_table[first:last], read=False, write=True) as ids:
+                result = self._receiver(desc).load(desc, ids, first)
         except Exception:  # never wrong KV: recompute whatever was partly written
             log.exception("KV load failed; recomputing", request_id=seq.request_id)
             self._discard(desc)  # the sender may free its copy now, not at lease expiry

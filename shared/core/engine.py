@@ -47,12 +47,13 @@ class EngineCore(ABC):
         self.connector = connector
         connector.register_kv_cache(runner.kv_cache)
         self.block_manager = BlockManager(
-            runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching
+            runner.num_kv_blocks,
+            runner.block_size,
+            config.enable_prefix_caching,
+            num_device_blocks=runner.tiers.num_device_blocks,
         )
         mc = runner.model_config
-        self.limits = Limits.build(
-            config, mc.max_position_embeddings, runner.num_kv_blocks * runner.block_size
-        )
+        self.limits = Limits.build(config, mc.max_position_embeddings, runner.max_seq_tokens)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         # The waiting queue's order (effective priority: aging; prefill also boosts short
         # prompts while its backlog is deep). The subclass hands it to its scheduler.
@@ -124,11 +125,14 @@ class EngineCore(ABC):
         """Expire, schedule, run one forward, update; returns what to publish."""
         out = self._step(time.time() if now is None else now)
         bm = self.block_manager
+        tier = self.runner.host_tier
         out.load = EngineLoad(
             self.scheduler.num_waiting,
             self.scheduler.num_running,
             bm.num_used_blocks,
             bm.num_free_blocks,
+            bm.num_host_blocks_used,
+            tier.num_staged_blocks if tier is not None else 0,
         )
         return out
 

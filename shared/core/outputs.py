@@ -91,6 +91,8 @@ class EngineLoad:
     num_running: int = 0
     num_used_blocks: int = 0
     num_free_blocks: int = 0
+    num_host_blocks_used: int = 0  # of the used blocks, those in the host tier
+    num_staged_blocks: int = 0  # host tier -> device pool copies since start (cumulative)
 
 
 @dataclass

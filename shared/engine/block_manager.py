@@ -8,6 +8,12 @@ A block is in exactly one of three states:
 
 Only computed KV is ever published (``cache_computed_blocks``), so a prefix hit never points at
 a block whose KV is still being written by another sequence's forward.
+
+Two tiers (``num_device_blocks < num_blocks``): ids ``[0, num_device_blocks)`` live in the
+device pool, the rest in the host tier (``shared/engine/kv_tiers.py``). A block is always taken
+from the device first — free, then the least recently freed cached one — and from the host only
+when the device has none, so the host holds the blocks beyond the device pool's share. With one
+tier (the default) this is the plain free-then-evict order.
 """
 
 from __future__ import annotations
@@ -31,19 +37,34 @@ class BlockManager:
     resumes where the previous call stopped.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks <= 0 or block_size <= 0:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_device_blocks: int | None = None,
+    ):
+        """``num_device_blocks``: how many of the ``num_blocks`` are on the device (default: all);
+        the others are the host tier."""
+        num_device = num_blocks if num_device_blocks is None else num_device_blocks
+        if num_blocks <= 0 or block_size <= 0 or not 0 < num_device <= num_blocks:
             raise ValueError(
-                f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
+                f"need num_blocks > 0, block_size > 0 and 0 < num_device_blocks <= num_blocks, "
+                f"got {num_blocks}, {block_size}, {num_device}"
             )
         self.num_blocks = num_blocks
+        self.num_device_blocks = num_device
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Per tier, device first: the order _take_free_block searches them in.
+        self._free: tuple[deque[int], ...] = (
+            deque(range(num_device)),
+            deque(range(num_device, num_blocks)),
+        )
+        self._evictable: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict())
         # request_id -> number of leading blocks of that sequence already published.
         self._num_published_blocks: dict[str, int] = {}
         self.num_prefix_queries_tokens = 0
@@ -52,7 +73,13 @@ class BlockManager:
     # --- accounting ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return sum(map(len, self._free)) + sum(map(len, self._evictable))
+
+    @property
+    def num_host_blocks_used(self) -> int:
+        """Blocks of the host tier in use (0 without one)."""
+        num_host = self.num_blocks - self.num_device_blocks
+        return num_host - len(self._free[1]) - len(self._evictable[1])
 
     @property
     def num_used_blocks(self) -> int:
@@ -64,7 +91,11 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return len(self._evictable)
+        return sum(map(len, self._evictable))
+
+    def tier(self, block_id: int) -> int:
+        """0: the device pool, 1: the host tier."""
+        return int(block_id >= self.num_device_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -93,7 +124,7 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         for block_id in hits:
             if self._ref_counts[block_id] == 0:
-                del self._evictable[block_id]
+                del self._evictable[self.tier(block_id)][block_id]
             self._ref_counts[block_id] += 1
         num_new = self.blocks_for(seq.num_tokens) - len(hits)
         seq.block_table = hits + [self._take_free_block() for _ in range(num_new)]
@@ -143,9 +174,9 @@ class BlockManager:
             self._ref_counts[block_id] = ref
             if ref == 0:
                 if self._block_hash[block_id] is None:
-                    self._free.append(block_id)
+                    self._free[self.tier(block_id)].append(block_id)
                 else:
-                    self._evictable[block_id] = None
+                    self._evictable[self.tier(block_id)][block_id] = None
         seq.block_table = []
         self._num_published_blocks.pop(seq.request_id, None)
 
@@ -200,13 +231,20 @@ class BlockManager:
             seq.block_hashes = []
 
     def _take_free_block(self) -> int:
-        if self._free:
-            block_id = self._free.popleft()
+        # A cached device block is evicted before a host block is used: the device is where
+        # attention reads without a copy, and the prefix cache keeps its host-tier hits.
+        for free, evictable in zip(self._free, self._evictable, strict=True):
+            if free:
+                block_id = free.popleft()
+                break
+            if evictable:
+                block_id, _ = evictable.popitem(last=False)
+                block_hash = self._block_hash[block_id]
+                assert block_hash is not None
+                del self._hash_to_block[block_hash]
+                self._block_hash[block_id] = None
+                break
         else:
-            block_id, _ = self._evictable.popitem(last=False)
-            block_hash = self._block_hash[block_id]
-            assert block_hash is not None
-            del self._hash_to_block[block_hash]
-            self._block_hash[block_id] = None
+            raise RuntimeError("no free KV block")  # callers check num_free_blocks first
         self._ref_counts[block_id] = 1
         return block_id

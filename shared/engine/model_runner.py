@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import structlog
 import torch
@@ -22,6 +23,7 @@ from shared.engine.attention import AttentionMetadata, select_backend
 from shared.engine.cpu_argmax import load_argmax
 from shared.engine.cpu_rope import load_rope
 from shared.engine.kv_codec import make_kv_codec
+from shared.engine.kv_tiers import HostKVTier, TierLayout, written_blocks
 from shared.engine.linear_layout import prepare_projections
 from shared.engine.loader import load_model, parse_dtype
 from shared.engine.model_config import ModelConfig
@@ -40,9 +42,11 @@ class ModelRunner:
         config: BatonConfig,
         model_dir: Path | None = None,
         allocate_kv_cache: KVCacheAllocator | None = None,
+        kv_host_cache_bytes: int = 0,
     ):
         """``allocate_kv_cache``: where the cache lives when a KV connector must own its memory
-        (a pooled transport exports it to the receiver); it returns None to leave it to us."""
+        (a pooled transport exports it to the receiver); it returns None to leave it to us.
+        ``kv_host_cache_bytes``: a host tier of that size beside the device pool (kv_tiers.py)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
@@ -57,20 +61,28 @@ class ModelRunner:
             cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * row_width * kv_dtype.itemsize
         )
         if config.num_kv_blocks > 0:
-            self.num_kv_blocks = config.num_kv_blocks
+            num_on_device = config.num_kv_blocks
         else:
-            self.num_kv_blocks = (config.kv_cache_mb << 20) // self.block_bytes
-        if self.num_kv_blocks <= 0:
+            num_on_device = (config.kv_cache_mb << 20) // self.block_bytes
+        if num_on_device <= 0:
             raise ValueError(
                 f"kv_cache_mb={config.kv_cache_mb} holds no block of {self.block_bytes} bytes"
             )
-        check_sliding_window(cfg, config, self.num_kv_blocks * self.block_size)
+        max_len = min(config.max_model_len, cfg.max_position_embeddings)
+        self.tiers = TierLayout.plan(
+            num_on_device,
+            kv_host_cache_bytes // self.block_bytes,
+            -(-max_len // self.block_size),
+        )
+        # The block manager's blocks: the device pool and the host tier (staging is neither).
+        self.num_kv_blocks = self.tiers.num_blocks
+        check_sliding_window(cfg, config, self.max_seq_tokens)
         self.model_config: ModelConfig
         self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
         kv_shape = (
             cfg.num_layers,
             2,
-            self.num_kv_blocks,
+            num_on_device,
             self.block_size,
             cfg.num_kv_heads,
             row_width,
@@ -91,9 +103,12 @@ class ModelRunner:
             self.kv_cache = _zeros_on_huge_pages(kv_shape, kv_dtype)
         else:
             self.kv_cache = torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
+        self.host_tier = (
+            HostKVTier(self.kv_cache, self.tiers) if self.tiers.num_host_blocks else None
+        )
         self.attn_backend = select_backend(
             self.device,
-            self.num_kv_blocks,
+            num_on_device,
             self.block_size,
             cfg.num_kv_heads,
             cfg.head_dim**-0.5,
@@ -110,13 +125,16 @@ class ModelRunner:
             block_size=self.block_size,
             kv_cache_mb=round(self.kv_cache.numel() * kv_dtype.itemsize / 2**20, 1),
             kv_cache_dtype=self.kv_codec.name,
+            kv_host_blocks=self.tiers.num_host_blocks,
+            kv_staging_blocks=self.tiers.num_staging_blocks,
             attention=self.attn_backend.name,
             mkl_kernels="by features" if mkl_dispatch.preloaded() else "stock",
         )
 
     @property
-    def max_num_tokens_in_cache(self) -> int:
-        return self.num_kv_blocks * self.block_size
+    def max_seq_tokens(self) -> int:
+        """The longest sequence the cache holds (with a host tier: what the staging area holds)."""
+        return self.tiers.max_seq_blocks * self.block_size
 
     # --- forward passes -----------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
@@ -127,6 +145,57 @@ class ModelRunner:
         """
         if len(seqs) != len(num_new_tokens) or not seqs:
             raise ValueError("prefill needs one positive token count per sequence")
+        spans = [
+            (s.num_computed_tokens, s.num_computed_tokens + n)
+            for s, n in zip(seqs, num_new_tokens, strict=True)
+        ]
+        return self._through_tiers(
+            seqs,
+            spans,
+            lambda rows, tables: self._prefill(
+                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables
+            ),
+        )
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One token per sequence from its last token (position ``num_tokens - 1``, whose slot
+        the caller has appended)."""
+        if not seqs:
+            return []
+        spans = [(s.num_tokens - 1, s.num_tokens) for s in seqs]
+        tokens = self._through_tiers(
+            seqs, spans, lambda rows, tables: self._decode([seqs[r] for r in rows], tables)
+        )
+        return cast(list[int], tokens)  # every row of a decode forward samples
+
+    def _through_tiers(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        forward: Callable[[list[int], list[list[int]]], Iterable[int | None]],
+    ) -> list[int | None]:
+        """Run ``forward(rows, block_tables)``: once over the sequences' own tables, or, when
+        some hold host blocks, once per group of rows whose host blocks fit the staging area,
+        through staged tables, writing the blocks each group extended (``spans``) back."""
+        tables = [s.block_table for s in seqs]
+        tier = self.host_tier
+        if tier is None or not any(tier.holds_host(t) for t in tables):
+            return list(forward(list(range(len(seqs))), tables))
+        out: list[int | None] = [None] * len(seqs)
+        for rows in tier.split(tables):
+            staged = tier.stage([tables[r] for r in rows])
+            results = forward(rows, staged.tables)
+            written: set[int] = set()
+            for r in rows:
+                written |= written_blocks(tables[r], *spans[r], self.block_size)
+            tier.write_back(staged, written)
+            for r, token in zip(rows, results, strict=True):
+                out[r] = token
+        return out
+
+    def _prefill(
+        self, seqs: list[Sequence], num_new_tokens: list[int], tables: list[list[int]]
+    ) -> list[int | None]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -134,21 +203,21 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_indices: list[int] = []
         sampled_rows: list[int] = []
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+        for i, (seq, n, table) in enumerate(zip(seqs, num_new_tokens, tables, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if n <= 0 or end > seq.num_tokens:
                 raise ValueError(f"{seq.request_id!r}: cannot compute tokens {start}..{end}")
-            if len(seq.block_table) * bs < end:
+            if len(table) * bs < end:
                 raise ValueError(f"{seq.request_id!r}: blocks for {end} tokens not allocated")
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            _extend_slots(slot_mapping, seq.block_table, start, end, bs)
+            _extend_slots(slot_mapping, table, start, end, bs)
             context_lens.append(end)
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_rows.append(i)
         meta = self.attn_backend.prefill_metadata(
-            slot_mapping, [s.block_table for s in seqs], num_new_tokens, context_lens
+            slot_mapping, tables, num_new_tokens, context_lens
         )
         sampled = self._run(
             input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
@@ -158,20 +227,12 @@ class ModelRunner:
             out[row] = token
         return out
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
-        """One token per sequence from its last token (position ``num_tokens - 1``, whose slot
-        the caller has appended)."""
-        if not seqs:
-            return []
+    def _decode(self, seqs: list[Sequence], tables: list[list[int]]) -> list[int]:
         bs = self.block_size
         positions = [seq.num_tokens - 1 for seq in seqs]
-        slot_mapping = [
-            seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions, strict=True)
-        ]
+        slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         context_lens = [p + 1 for p in positions]
-        meta = self.attn_backend.decode_metadata(
-            slot_mapping, [seq.block_table for seq in seqs], context_lens
-        )
+        meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens)
         input_ids = [seq.token_ids[-1] for seq in seqs]
         return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs)
 

@@ -260,6 +260,15 @@ class Metrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."
         )
+        self.kv_host_blocks_used = gauge(
+            "kv_host_blocks_used",
+            "Decode: KV blocks in use in the host tier (BATON_KV_HOST_CACHE_MB); counted in "
+            "kv_blocks_used too.",
+        )
+        self.kv_host_staged_blocks = counter(
+            "kv_host_staged_blocks_total",
+            "Decode: host-tier KV blocks copied into the device pool for a forward or a transport.",
+        )
         self.spill_store_bytes = gauge(
             "spill_store_bytes",
             "Bytes held in the shared-memory spill store (the shm KV transport), as last polled.",
