@@ -108,10 +108,6 @@ class HostKVTier:
         self.num_staged_blocks = 0  # host -> device, cumulative
         self.num_written_back_blocks = 0  # device -> host, cumulative
 
-    @property
-    def nbytes(self) -> int:
-        return self.host_cache.numel() * self.host_cache.element_size()
-
     def is_host(self, block_id: int) -> bool:
         return block_id >= self.layout.num_device_blocks
 
