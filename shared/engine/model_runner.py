@@ -76,6 +76,13 @@ class ModelRunner:
         )
         # The block manager's blocks: the device pool and the host tier (staging is neither).
         self.num_kv_blocks = self.tiers.num_blocks
+        if self.tiers.num_host_blocks and self.max_seq_tokens < max_len:
+            log.warning(
+                "host KV tier: staging takes at most half the device's blocks, so sequences are "
+                "cut to what it holds; raise kv_cache_mb to serve max_model_len",
+                max_model_len=max_len,
+                max_seq_tokens=self.max_seq_tokens,
+            )
         check_sliding_window(cfg, config, self.max_seq_tokens)
         self.model_config: ModelConfig
         self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
