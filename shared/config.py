@@ -80,11 +80,12 @@ class BatonConfig:
     # 0 = derive from kv_cache_mb; otherwise an exact count.
     num_kv_blocks: int = 0
     kv_cache_mb: int = 256
-    # Decode only: a host tier of this many MB beside the device pool (pinned host memory on
-    # CUDA). Blocks beyond the device pool's share go there and every forward stages the ones it
-    # reads into the device pool (shared/engine/kv_tiers.py): long contexts served side by side
-    # instead of preempted, at a PCIe copy per step. 0 = none. On CPU it is the same memory as
-    # the pool (raise kv_cache_mb instead); it works there so the protocol is tested anywhere.
+    # Prefill and decode: a host tier of this many MB beside each engine's device pool (pinned
+    # host memory on CUDA). Blocks beyond the device pool's share go there and every forward
+    # stages the ones it reads into the device pool (shared/engine/kv_tiers.py): long prompts and
+    # contexts served side by side instead of waiting or preempted, at a PCIe copy per step.
+    # 0 = none. On CPU it is the same memory as the pool (raise kv_cache_mb instead); it works
+    # there so the protocol is tested anywhere.
     kv_host_cache_mb: int = 0
     # "auto": K/V in the model's dtype (exact, the parity contract); "int8": int8 values with a
     # per-(token, head) fp32 scale, ~1/4 of fp32's bytes (shared/engine/kv_codec.py). Prefill and

@@ -16,8 +16,17 @@ PREEMPTION_MODES = ("swap", "recompute")
 
 def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> PrefillEngine:
     connector = make_connector(config, role="prefill")
-    runner = ModelRunner(config, model_dir, allocate_kv_cache=connector.allocate_kv_cache)
-    return PrefillEngine(config, runner, connector)
+    runner = ModelRunner(
+        config,
+        model_dir,
+        allocate_kv_cache=connector.allocate_kv_cache,
+        kv_host_cache_bytes=config.kv_host_cache_mb << 20,
+    )
+    # A pooled transport maps the device pool only: prompts holding host blocks go by copy.
+    spill = None
+    if runner.host_tier is not None and not isinstance(connector, ShmConnector):
+        spill = spill_store(config)
+    return PrefillEngine(config, runner, connector, spill)
 
 
 def build_decode_engine(
@@ -46,4 +55,8 @@ def make_swap_connector(config: BatonConfig) -> KVConnector | None:
         )
     if config.decode_preemption == "recompute":
         return None
+    return spill_store(config)
+
+
+def spill_store(config: BatonConfig) -> ShmConnector:
     return ShmConnector(config.spill_dir, config.spill_max_bytes, config.spill_orphan_timeout_s)

@@ -16,7 +16,6 @@ full, the victim stays here and recomputes (``recompute`` mode always does).
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
 
 import structlog
 
@@ -118,15 +117,6 @@ class DecodeEngine(EngineCore):
         self._swapped[seq.request_id] = desc
         log.info("swapped out", request_id=seq.request_id, num_tokens=desc.num_tokens)
         return True
-
-    def _device_ids(
-        self, block_ids: list[int], *, read: bool, write: bool
-    ) -> AbstractContextManager[list[int]]:
-        """Transports see the device cache only: host-tier blocks pass through staging."""
-        tier = self.runner.host_tier
-        if tier is None:
-            return nullcontext(block_ids)
-        return tier.device_ids(block_ids, read=read, write=write)
 
     def _hand_on_swapped(self, now: float, out: StepOutput) -> None:
         for rid, desc in self._swapped.items():

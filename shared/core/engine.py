@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import structlog
@@ -157,6 +158,16 @@ class EngineCore(ABC):
             if seq.started_at is None:
                 seq.started_at = now
                 self.priorities.observe_wait(now - seq.arrival_time)
+
+    def _device_ids(
+        self, block_ids: list[int], *, read: bool, write: bool
+    ) -> AbstractContextManager[list[int]]:
+        """Transports see the device cache only: host-tier blocks pass through staging (read:
+        staged in for a send; write: copied back after a load)."""
+        tier = self.runner.host_tier
+        if tier is None:
+            return nullcontext(block_ids)
+        return tier.device_ids(block_ids, read=read, write=write)
 
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""

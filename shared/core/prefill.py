@@ -4,6 +4,10 @@ Per completed prompt: its first token is an output; unless that token already en
 (EOS, ``max_tokens`` 1), its KV goes to the connector and a :class:`Handoff` is an output. A sent
 request's blocks stay allocated until the connector says they may be freed (at once for a copy
 transport; on decode's release or a lease expiry for a pooled one).
+
+With a host tier (``BATON_KV_HOST_CACHE_MB``, shared/engine/kv_tiers.py) a pooled transport
+cannot carry a prompt holding host blocks (decode reads the sender's device pool in place):
+such a prompt goes through ``spill``, the spill store, which copies it at once.
 """
 
 from __future__ import annotations
@@ -26,8 +30,19 @@ class PrefillEngine(EngineCore):
     kind = "prefill"
     scheduler: PrefillScheduler
 
-    def __init__(self, config: BatonConfig, runner: ModelRunner, connector: KVConnector) -> None:
+    def __init__(
+        self,
+        config: BatonConfig,
+        runner: ModelRunner,
+        connector: KVConnector,
+        spill: KVConnector | None = None,
+    ) -> None:
+        """``spill``: a copy transport for prompts holding host-tier blocks when ``connector``
+        maps the device pool in place (None: ``connector`` carries everything)."""
         super().__init__(config, runner, connector)
+        self.spill = spill
+        if spill is not None:
+            spill.register_kv_cache(runner.kv_cache)
         self.scheduler = PrefillScheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -76,7 +91,11 @@ class PrefillEngine(EngineCore):
         out.tokens.append(TokenOutput(rid, 0, [token], reason, scheduled_at=started))
         if reason is None:
             t0 = time.perf_counter()
-            desc = self.connector.send(rid, seq.block_table, seq.num_computed_tokens)
+            tier = self.runner.host_tier
+            on_host = tier is not None and tier.holds_host(seq.block_table)
+            sender = self.spill if on_host and self.spill is not None else self.connector
+            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
+                desc = sender.send(rid, block_ids, seq.num_computed_tokens)
             if desc is None:  # the transport is full: decode recomputes
                 self.scheduler.free(seq)
             else:
@@ -95,7 +114,9 @@ class PrefillEngine(EngineCore):
         self._retire(rid, out)
 
     def _free_handed_off(self, now: float) -> None:
-        for rid in self.connector.pop_freeable(now):
-            seq = self._handed_off.pop(rid, None)
-            if seq is not None:
-                self.scheduler.free(seq)
+        senders = (self.connector,) if self.spill is None else (self.connector, self.spill)
+        for sender in senders:
+            for rid in sender.pop_freeable(now):
+                seq = self._handed_off.pop(rid, None)
+                if seq is not None:
+                    self.scheduler.free(seq)

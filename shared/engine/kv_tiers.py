@@ -1,11 +1,11 @@
 """The host tier of the KV cache: blocks beyond the device pool's share, staged per forward.
 
 A decode worker whose device pool is full would preempt (swap out or recompute) a sequence
-rather than serve it; with a host tier (``BATON_KV_HOST_CACHE_MB``) the block manager hands out
-blocks of host memory instead (pinned on CUDA), and each forward brings the host blocks its
-sequences read into *staging* blocks of the device pool, then writes the blocks it extended
-back. Attention never sees the tier: it reads one pool, through block tables in which every host
-block is replaced by its staging block. The price is the copy: every forward moves the batch's
+rather than serve it, and a prefill worker would hold a long prompt back; with a host tier
+(``BATON_KV_HOST_CACHE_MB``) the block manager hands out blocks of host memory instead (pinned
+on CUDA), and each forward brings the host blocks its sequences read into *staging* blocks of
+the device pool, then writes the blocks it extended back. Attention never sees the tier: it reads
+one pool, through block tables in which every host block is replaced by its staging block. The price is the copy: every forward moves the batch's
 host blocks across PCIe, so the tier buys capacity (long contexts served side by side, no
 preemption), not speed.
 

@@ -262,12 +262,12 @@ class Metrics:
         )
         self.kv_host_blocks_used = gauge(
             "kv_host_blocks_used",
-            "Decode: KV blocks in use in the host tier (BATON_KV_HOST_CACHE_MB); counted in "
+            "KV blocks in use in the host tier (BATON_KV_HOST_CACHE_MB); counted in "
             "kv_blocks_used too.",
         )
         self.kv_host_staged_blocks = counter(
             "kv_host_staged_blocks_total",
-            "Decode: host-tier KV blocks copied into the device pool for a forward or a transport.",
+            "Host-tier KV blocks copied into the device pool for a forward or a transport.",
         )
         self.spill_store_bytes = gauge(
             "spill_store_bytes",

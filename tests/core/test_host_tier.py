@@ -20,6 +20,7 @@ from shared.core.decode import DecodeEngine
 from shared.core.outputs import AddResult, NewRequest
 from tests.core.test_swap_preemption import MAX_TOKENS, PROMPTS, Wiring
 from tests.engine.helpers import (
+    EnginePair,
     ForwardLog,
     engine_config,
     greedy,
@@ -122,3 +123,50 @@ def test_a_sequence_holding_host_blocks_swaps_out_and_in(
     assert tiers[0].num_staged_blocks > 0 and tiers[1].num_written_back_blocks > 0
     assert not list((tmp_path / "spill").rglob("*.kv"))
     assert [wiring.completion(f"r{i}") for i in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.parametrize("transport", ["shm", "pool"] if DEVICE == "cpu" else ["shm"])
+def test_prefill_chunks_long_prompts_through_its_host_tier(
+    model_dir: Path, tmp_path: Path, transport: str
+) -> None:
+    """Prefill with 16 device blocks (8 pool, 8 staging) and a host tier, a 32-token budget:
+    prompts of 40-120 tokens are chunked over blocks of both tiers and handed off. The spill
+    store copies what it sends; a pooled transport (decode maps prefill's device pool) cannot
+    carry a prompt holding host blocks, which then goes through the spill store instead."""
+    prompts = [
+        [(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((120, 40, 77, 95, 60))
+    ]
+    pair = EnginePair.build(
+        model_dir,
+        tmp_path / "spill",
+        transport=transport,
+        prefill_blocks=16,
+        prefill={"kv_host_cache_mb": 1, "max_num_batched_tokens": 32, "device": DEVICE},
+        decode={"device": DEVICE},
+    )
+    with pair:
+        tier = pair.prefill.runner.host_tier
+        assert tier is not None and (pair.prefill.spill is not None) == (transport != "shm")
+        most_on_host = 0
+        step = pair.prefill.step
+
+        def watched_step(now: float | None = None) -> Any:
+            nonlocal most_on_host
+            out = step(now)
+            most_on_host = max(most_on_host, pair.prefill.block_manager.num_host_blocks_used)
+            return out
+
+        pair.prefill.step = watched_step  # type: ignore[method-assign]
+        for i, prompt in enumerate(prompts):
+            pair.add(f"r{i}", prompt, greedy(8, ignore_eos=True))
+        got = pair.run()
+        pair.assert_clean()
+    assert most_on_host > 0 and tier.num_staged_blocks > 0 and tier.num_written_back_blocks > 0
+    by_transport = {h.kv.transport for h in pair.handoffs.values() if h.kv is not None}
+    assert len(pair.handoffs) == len(prompts)
+    assert by_transport == ({"shm"} if transport == "shm" else {"shm", "pool"})
+    if DEVICE == "cpu":
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+        with torch_threads(1):
+            for i, prompt in enumerate(prompts):
+                assert got[f"r{i}"] == hf_greedy(hf, prompt, greedy(8, ignore_eos=True)), i
