@@ -78,11 +78,14 @@ class Model:
 
     def check(self, pair: EnginePair, names: tuple[str, ...]) -> None:
         """HF's tokens and finish reasons, and nothing left behind in either engine; whatever
-        KV decode loaded came through the pair's transport, but for its own swap-ins (through
-        the spill store whatever the transport)."""
+        KV decode loaded came through the pair's transport, but for its own swap-ins and
+        prefill's prompts holding host-tier blocks (through the spill store whatever the
+        transport)."""
         assert not pair.errors
         other = [t.transport for t in pair.loads if t.transport != pair.transport]
-        assert other == ["shm"] * len(other) and len(other) <= len(pair.swapped), pair.loads
+        spilled = [h for h in pair.handoffs.values() if h.kv and h.kv.transport != pair.transport]
+        assert other == ["shm"] * len(other), pair.loads
+        assert len(other) <= len(pair.swapped) + len(spilled), pair.loads
         eos = set(pair.decode.eos_token_ids)
         for name in names:
             expected, case = self.expected[name], self.cases[name]
@@ -279,6 +282,37 @@ def test_preemption_swaps_out_and_in_to_the_same_tokens(
     assert set(pair.swapped) == {"ids-40b"} and pair.decode.num_swaps_in == len(pair.swapped)
     assert pair.decode_log.prefills == []  # nothing recomputed
     model.check(pair, names)
+
+
+def test_host_tiers_in_both_engines(model: Model, transport: str, make_pair: PairFactory) -> None:
+    """Both engines with a host tier (``BATON_KV_HOST_CACHE_MB``, 128 host blocks) beside 48
+    device blocks (24 pool, 24 staging) for ~50 blocks of work: prefill chunks ids-300 over host
+    blocks, decode runs every sequence from both tiers with no preemption and no recompute. On
+    ``pool``, a prompt holding host blocks goes through the spill store (decode maps prefill's
+    device pool only)."""
+    names = (
+        "ids-1", "text-short", "chat-short", "ids-16", "text-long", "chat-long", "ids-64",
+        "ids-129", "ids-300",
+    )  # fmt: skip
+    tier = {"kv_host_cache_mb": 1}
+    pair = make_pair(
+        prefill_blocks=48,
+        decode_blocks=48,
+        prefill={**tier, "max_num_batched_tokens": 128},
+        decode=tier,
+    )
+    model.add(pair, *names)
+    pair.run()
+    for engine in (pair.prefill, pair.decode):
+        host = engine.runner.host_tier
+        assert host is not None and host.num_staged_blocks > 0 and host.num_written_back_blocks > 0
+    assert pair.decode.scheduler.num_preemptions == pair.decode.scheduler.num_swaps == 0
+    assert not pair.decode_log.prefills  # every handoff carried its KV, into either tier
+    assert len(pair.loads) == len(pair.handoffs) > 0  # ... and decode loaded each one
+    used = {h.kv.transport for h in pair.handoffs.values() if h.kv is not None}
+    assert used == {transport, "shm"}  # on pool: some prompts held host blocks when sent, some not
+    model.check(pair, names)
+    pair.assert_clean()
 
 
 def test_handoff_without_kv_is_recomputed_by_decode(
