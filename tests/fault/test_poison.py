@@ -20,6 +20,10 @@ from tests.fault.harness import ReplyLog, scrape, service_processes
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FAILURES = 3
+# Output tokens of the long request: each restarted decode regenerates what was streamed before
+# any new token shows, so the request must outlast three kills. 1,500 did not on a Zen 5 (once
+# in a CI run: the third decode finished it before the kill), hence a longer max_model_len here.
+LONG = 4000
 
 
 async def dead_letters(url: str) -> int:
@@ -31,11 +35,11 @@ async def dead_letters(url: str) -> int:
 
 
 async def test_a_request_that_keeps_killing_decode_is_answered_and_dead_lettered() -> None:
-    env = {"BATON_MAX_DELIVERY_FAILURES": str(FAILURES)}
+    env = {"BATON_MAX_DELIVERY_FAILURES": str(FAILURES), "BATON_MAX_MODEL_LEN": str(LONG + 96)}
     with service_processes(env, metrics=True) as procs:
         await procs.wait_ready()
         async with ReplyLog(procs.amqp_url) as log:
-            sampling = SamplingParams(max_tokens=1500, ignore_eos=True)
+            sampling = SamplingParams(max_tokens=LONG, ignore_eos=True)
             [rid] = await log.send([RequestMsg("poison", sampling, prompt="the long one")])
             for _ in range(FAILURES):
                 streamed = log.num_streamed(rid)
