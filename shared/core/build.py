@@ -20,7 +20,7 @@ def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> 
         config,
         model_dir,
         allocate_kv_cache=connector.allocate_kv_cache,
-        kv_host_cache_bytes=config.kv_host_cache_mb << 20,
+        kv_host_cache_bytes=host_cache_bytes(config),
     )
     # A pooled transport maps the device pool only: prompts holding host blocks go by copy.
     spill = None
@@ -35,13 +35,13 @@ def build_decode_engine(
     """``kv_host_cache_bytes``: the host tier's size, exact (default ``kv_host_cache_mb``)."""
     swap = make_swap_connector(config)
     connector = make_connector(config, role="decode")
-    if kv_host_cache_bytes is None:
-        kv_host_cache_bytes = config.kv_host_cache_mb << 20
     runner = ModelRunner(
         config,
         model_dir,
         allocate_kv_cache=connector.allocate_kv_cache,
-        kv_host_cache_bytes=kv_host_cache_bytes,
+        kv_host_cache_bytes=(
+            host_cache_bytes(config) if kv_host_cache_bytes is None else kv_host_cache_bytes
+        ),
     )
     return DecodeEngine(config, runner, connector, swap)
 
@@ -56,6 +56,10 @@ def make_swap_connector(config: BatonConfig) -> KVConnector | None:
     if config.decode_preemption == "recompute":
         return None
     return spill_store(config)
+
+
+def host_cache_bytes(config: BatonConfig) -> int:
+    return config.kv_host_cache_mb << 20
 
 
 def spill_store(config: BatonConfig) -> ShmConnector:

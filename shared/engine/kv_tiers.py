@@ -5,9 +5,9 @@ rather than serve it, and a prefill worker would hold a long prompt back; with a
 (``BATON_KV_HOST_CACHE_MB``) the block manager hands out blocks of host memory instead (pinned
 on CUDA), and each forward brings the host blocks its sequences read into *staging* blocks of
 the device pool, then writes the blocks it extended back. Attention never sees the tier: it reads
-one pool, through block tables in which every host block is replaced by its staging block. The price is the copy: every forward moves the batch's
-host blocks across PCIe, so the tier buys capacity (long contexts served side by side, no
-preemption), not speed.
+one pool, through block tables in which every host block is replaced by its staging block. The
+price is the copy: every forward moves the batch's host blocks across PCIe, so the tier buys
+capacity (long contexts served side by side, no preemption), not speed.
 
 Ids (the block manager's): ``[0, D)`` the device pool, ``[D, D + H)`` the host tier.
 Device cache: ``[L, 2, D + S, ...]``, its blocks ``[D, D + S)`` the staging area, which no
@@ -68,12 +68,9 @@ class TierLayout:
 
     @property
     def max_seq_blocks(self) -> int:
-        """The most blocks one sequence may hold: all of them may be on the host."""
-        return (
-            min(self.num_blocks, self.num_staging_blocks)
-            if self.num_host_blocks
-            else self.num_blocks
-        )
+        """The most blocks one sequence may hold: all of them may be on the host, so staging
+        must hold them (it is at most half the device's blocks, so less than ``num_blocks``)."""
+        return self.num_staging_blocks if self.num_host_blocks else self.num_blocks
 
 
 @dataclass
@@ -114,8 +111,7 @@ class HostKVTier:
     def holds_host(self, block_table: list[int]) -> bool:
         # Host blocks come after device blocks in a table filled in order, but a prefix hit may
         # sit on either tier: check them all.
-        d = self.layout.num_device_blocks
-        return any(b >= d for b in block_table)
+        return any(map(self.is_host, block_table))
 
     def split(self, tables: list[list[int]]) -> list[list[int]]:
         """Rows of ``tables`` grouped in order so that each group's distinct host blocks fit the
@@ -182,7 +178,7 @@ class HostKVTier:
         staging_of: dict[int, int] = {}
         for table in tables:
             for b in table:
-                if b >= d and b not in staging_of:
+                if self.is_host(b) and b not in staging_of:
                     staging_of[b] = d + len(staging_of)
         if len(staging_of) > self.layout.num_staging_blocks:
             raise ValueError(f"{len(staging_of)} host blocks; split the batch first")

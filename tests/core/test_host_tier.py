@@ -7,8 +7,8 @@ kernels on CUDA and the host tier is pinned memory: the same engines' output wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from shared.config import BatonConfig
 from shared.core.build import build_decode_engine, build_prefill_engine
 from shared.core.decode import DecodeEngine
-from shared.core.outputs import AddResult, NewRequest
+from shared.core.engine import EngineCore
+from shared.core.outputs import AddResult, NewRequest, StepOutput
 from tests.core.test_swap_preemption import MAX_TOKENS, PROMPTS, Wiring
 from tests.engine.helpers import (
     EnginePair,
@@ -49,6 +50,21 @@ def expected(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     with torch_threads(1):
         return [hf_greedy(hf, p, greedy(MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+
+
+def watch_host_blocks(engine: EngineCore) -> Callable[[], int]:
+    """Wraps ``engine.step``; the returned function gives the most host-tier blocks in use that
+    any step's load reported (``EngineLoad``, what the metrics read)."""
+    most = [0]
+    step = engine.step
+
+    def watched(now: float | None = None) -> StepOutput:
+        out = step(now)
+        most[0] = max(most[0], out.load.num_host_blocks_used)
+        return out
+
+    engine.step = watched  # type: ignore[method-assign]
+    return lambda: most[0]
 
 
 def serve(model_dir: Path, decoders: list[DecodeEngine], config: BatonConfig) -> Wiring:
@@ -85,20 +101,11 @@ def test_sequences_beyond_the_device_pool_run_from_the_host_tier(
     assert tier is not None and decode.runner.tiers.num_host_blocks == (1 << 20) // BLOCK_BYTES
     assert tier.host_cache.is_pinned() == (DEVICE == "cuda")
     log = ForwardLog(decode.runner)
-    most_on_host = 0
-    step = decode.step
-
-    def watched_step(now: float | None = None) -> Any:
-        nonlocal most_on_host
-        out = step(now)
-        most_on_host = max(most_on_host, decode.block_manager.num_host_blocks_used)
-        return out
-
-    decode.step = watched_step  # type: ignore[method-assign]
+    most_on_host = watch_host_blocks(decode)
     wiring = serve(model_dir, [decode], config)
     assert decode.scheduler.num_swaps == 0 and decode.scheduler.num_preemptions == 0
     assert log.prefills == []  # every prompt's KV was loaded (into host blocks too), none rebuilt
-    assert most_on_host >= 8 and tier.num_staged_blocks > 0 and tier.num_written_back_blocks > 0
+    assert most_on_host() >= 8 and tier.num_staged_blocks > 0 and tier.num_written_back_blocks > 0
     assert decode.block_manager.num_used_blocks == 0
     assert [wiring.completion(f"r{i}") for i in range(len(PROMPTS))] == expected
 
@@ -147,21 +154,12 @@ def test_prefill_chunks_long_prompts_through_its_host_tier(
     with pair:
         tier = pair.prefill.runner.host_tier
         assert tier is not None and (pair.prefill.spill is not None) == (transport != "shm")
-        most_on_host = 0
-        step = pair.prefill.step
-
-        def watched_step(now: float | None = None) -> Any:
-            nonlocal most_on_host
-            out = step(now)
-            most_on_host = max(most_on_host, pair.prefill.block_manager.num_host_blocks_used)
-            return out
-
-        pair.prefill.step = watched_step  # type: ignore[method-assign]
+        most_on_host = watch_host_blocks(pair.prefill)
         for i, prompt in enumerate(prompts):
             pair.add(f"r{i}", prompt, greedy(8, ignore_eos=True))
         got = pair.run()
         pair.assert_clean()
-    assert most_on_host > 0 and tier.num_staged_blocks > 0 and tier.num_written_back_blocks > 0
+    assert most_on_host() > 0 and tier.num_staged_blocks > 0 and tier.num_written_back_blocks > 0
     by_transport = {h.kv.transport for h in pair.handoffs.values() if h.kv is not None}
     assert len(pair.handoffs) == len(prompts)
     assert by_transport == ({"shm"} if transport == "shm" else {"shm", "pool"})
