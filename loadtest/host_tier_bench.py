@@ -1,4 +1,4 @@
-"""What the host tier of the KV cache costs a decode step (shared/engine/kv_tiers.py).
+"""What the host tier of the KV cache costs a decode step (shared/runtime/kv_tiers.py).
 
     python -m loadtest.host_tier_bench --device cuda --out out/host_tier.json
 
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from shared.config import BatonConfig
-from shared.engine import BlockManager, SamplingParams, Sequence
-from shared.engine.model_runner import ModelRunner
+from shared.runtime import BlockManager, SamplingParams, Sequence
+from shared.runtime.model_runner import ModelRunner
 
 
 def build_model(out: Path, args: argparse.Namespace) -> Path:

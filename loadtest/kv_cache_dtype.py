@@ -4,7 +4,7 @@
     python -m loadtest.kv_cache_dtype --prompts 32 --max-tokens 128
 
 For each model, the same greedy prompts run on a ModelRunner with ``kv_cache_dtype=auto`` (fp32,
-the parity contract) and with ``int8`` (shared/engine/kv_codec.py): one batched prefill, then
+the parity contract) and with ``int8`` (shared/runtime/kv_codec.py): one batched prefill, then
 batched decode steps, which is the serving path's model work (the transports copy blocks bit
 for bit). Printed per model: KV bytes per token, identical tokens (position by position), tokens
 before each sequence's first difference, and decode tokens/s at the batch given (one thread).
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from shared.config import REPO_ROOT, BatonConfig
-from shared.engine.block_manager import BlockManager
-from shared.engine.model_runner import ModelRunner
-from shared.engine.sequence import Sequence
 from shared.models.tiny.builder import ARCHS, ensure_tiny_model
+from shared.runtime.block_manager import BlockManager
+from shared.runtime.model_runner import ModelRunner
+from shared.runtime.sequence import Sequence
 from shared.wire.sampling import SamplingParams
 
 MODELS = [("tiny", arch) for arch in ARCHS] + [("bench", "llama")]

@@ -4,7 +4,7 @@
 #     OUT=/some/dir scripts/gpu_check.sh
 # 1. tests on CUDA: the Triton kernels at full size (tests/kernels), the engines on the Triton
 #    backend against the torch backend, the host tier of the KV cache with pinned host memory
-#    (tests/engine/test_kv_tiers.py, tests/core/test_host_tier.py), the GPU memory metrics;
+#    (tests/runtime/test_kv_tiers.py, tests/engine/test_host_tier.py), the GPU memory metrics;
 # 2. the kernel benchmarks (kernels/bench.py);
 # 3. the cuda-ipc KV handoff between two real processes (1k tokens of a Llama-3.1-8B-shaped KV);
 # 4. what the host tier costs a decode step (loadtest/host_tier_bench.py).
@@ -41,7 +41,7 @@ print('triton', triton.__version__)"
 cat "$OUT/env.txt"
 
 # The tiny models, once, before any worker needs them (they travel in models/ when carried).
-"$PY" -c "from tests.engine.helpers import tiny_model_dir; tiny_model_dir('llama')" || exit 1
+"$PY" -c "from tests.runtime.helpers import tiny_model_dir; tiny_model_dir('llama')" || exit 1
 
 # Kernel compilation dominates the test time; spread it over processes when xdist is there.
 parallel=()
@@ -50,8 +50,8 @@ if "$PY" -c "import xdist" 2>/dev/null; then
 fi
 start=$(date +%s)
 timeout 170 "$PY" -m pytest -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
-    tests/kernels tests/engine/test_triton_backend.py tests/engine/test_kv_tiers.py \
-    tests/core/test_host_tier.py tests/test_metrics.py::test_cuda_device_exports_gpu_memory \
+    tests/kernels tests/runtime/test_triton_backend.py tests/runtime/test_kv_tiers.py \
+    tests/engine/test_host_tier.py tests/test_metrics.py::test_cuda_device_exports_gpu_memory \
     -rs --durations=10 2>&1 | tee "$OUT/pytest.log"
 test_rc=${PIPESTATUS[0]}
 echo "pytest exit $test_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"

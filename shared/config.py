@@ -1,7 +1,7 @@
 """The one configuration object: frozen, read from ``BATON_*`` env vars and CLI flags.
 
 Values discovered at run time (number of KV blocks that fit, the model's vocab size, ...) live in
-run-time objects such as :class:`shared.engine.model_runner.ModelRunner`, never in here.
+run-time objects such as :class:`shared.runtime.model_runner.ModelRunner`, never in here.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ class BatonConfig:
     # p99 1.01-1.52x against 0.79-1.05x at 0). Default off. See services/shell/cpus.py.
     prefill_nice: int = 0
     decode_nice: int = 0
-    # CPU attention in fp32 over a float cache: "auto" = the C kernels of shared/engine/csrc for
+    # CPU attention in fp32 over a float cache: "auto" = the C kernels of shared/runtime/csrc for
     # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use;
     # the torch path if no C compiler), "torch" = the torch path (SDPA for prefill). See
-    # shared/engine/cpu_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
+    # shared/runtime/cpu_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
     cpu_attention: str = "auto"
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512 on
     # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library
-    # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See shared/engine/mkl_dispatch.py.
+    # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See shared/runtime/mkl_dispatch.py.
     mkl_dispatch: str = "features"
     # --- limits -------------------------------------------------------------------------------
     max_model_len: int = 2048
@@ -82,13 +82,13 @@ class BatonConfig:
     kv_cache_mb: int = 256
     # Prefill and decode: a host tier of this many MB beside each engine's device pool (pinned
     # host memory on CUDA). Blocks beyond the device pool's share go there and every forward
-    # stages the ones it reads into the device pool (shared/engine/kv_tiers.py): long prompts and
+    # stages the ones it reads into the device pool (shared/runtime/kv_tiers.py): long prompts and
     # contexts served side by side instead of waiting or preempted, at a PCIe copy per step.
     # 0 = none. On CPU it is the same memory as the pool (raise kv_cache_mb instead); it works
     # there so the protocol is tested anywhere.
     kv_host_cache_mb: int = 0
     # "auto": K/V in the model's dtype (exact, the parity contract); "int8": int8 values with a
-    # per-(token, head) fp32 scale, ~1/4 of fp32's bytes (shared/engine/kv_codec.py). Prefill and
+    # per-(token, head) fp32 scale, ~1/4 of fp32's bytes (shared/runtime/kv_codec.py). Prefill and
     # decode must agree: a handoff between different caches is refused, never converted.
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True

@@ -1,13 +1,13 @@
 """Greedy parity with Hugging Face, through the production engines.
 
 Every scenario runs the real ``PrefillEngine`` -> KV connector -> ``DecodeEngine``, each engine
-with its own ModelRunner and KV cache, built and wired by ``tests/engine/helpers.py:EnginePair``
+with its own ModelRunner and KV cache, built and wired by ``tests/runtime/helpers.py:EnginePair``
 as the services build and wire them (plumbing only) — once per KV transport: ``shm`` (the spill
 store) and ``pool`` (decode copies from prefill's shared KV pool and releases it; a spill
 folder per test either way). fp32 on CPU,
 tiny llama / qwen2 / qwen3 / mistral (with ``sliding_window`` set: full attention is exact
 because the window covers max_model_len; a smaller window is refused, see
-tests/engine/test_model_runner.py). Every completion must equal transformers'
+tests/runtime/test_model_runner.py). Every completion must equal transformers'
 ``generate(do_sample=False)`` token for token: batched and chunked prefill, sequences joining a
 running decode batch, prefix-cache hits in both engines, preemption with recompute, a handoff
 whose KV never reaches decode (decode recomputes), and a seeded sampled request that replays
@@ -26,11 +26,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.core.outputs import AddResult
-from shared.engine import ModelConfig
+from shared.engine.outputs import AddResult
 from shared.models.tiny.builder import ARCHS
+from shared.runtime import ModelConfig
 from shared.wire.sampling import SamplingParams
-from tests.engine.helpers import (
+from tests.runtime.helpers import (
     KV_TRANSPORTS,
     EnginePair,
     greedy,
@@ -273,7 +273,7 @@ def test_preemption_swaps_out_and_in_to_the_same_tokens(
 ) -> None:
     """The same squeeze with swap preemption (the default): the victim's KV goes to the spill
     store, the request back through baton.decode (here to the same worker: the cross-worker
-    case is tests/core/test_swap_preemption.py) and its KV is loaded, not recomputed."""
+    case is tests/engine/test_swap_preemption.py) and its KV is loaded, not recomputed."""
     names = ("ids-40a", "ids-40b")
     pair = make_pair(decode_blocks=8)
     model.add(pair, *names)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
-from shared.core.build import build_decode_engine
-from shared.core.decode import DecodeEngine
-from shared.core.outputs import EngineLoad
+from shared.engine.build import build_decode_engine
+from shared.engine.decode import DecodeEngine
+from shared.scheduling.load import EngineLoad
 from shared.wire.messages import HandoffMsg
 from shared.wire.queues import DECODE_QUEUE
 

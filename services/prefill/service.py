@@ -23,10 +23,10 @@ from collections.abc import Callable
 from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
-from shared.core.build import build_prefill_engine
-from shared.core.outputs import EngineLoad
-from shared.core.prefill import PrefillEngine
+from shared.engine.build import build_prefill_engine
+from shared.engine.prefill import PrefillEngine
 from shared.kv_transfer import ShmConnector
+from shared.scheduling.load import EngineLoad
 from shared.scheduling.policy import Intake, prefill_window_cap
 from shared.wire.messages import PrefillMsg
 from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE

@@ -3,7 +3,7 @@ publish in the background → ack what the engine retired once its outputs are c
 
 Threading: deliveries and control messages only land in ``inbox`` / the abort queue (event loop);
 the loop hands them to the engine between steps, and ``step`` runs in a worker thread — so the
-engine is only ever touched by one thread at a time (its invariant, ``shared/core/engine.py``).
+engine is only ever touched by one thread at a time (its invariant, ``shared/engine/engine.py``).
 
 A work message becomes a :class:`NewRequest` here (``to_request``); a subclass
 (``services/prefill``, ``services/decode``) names its message type and, for prefill, turns
@@ -31,9 +31,10 @@ from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
 from services.shell.shell import ServiceShell, ack, detok_events, requeue
 from shared.config import BatonConfig
-from shared.core.engine import EngineCore
-from shared.core.outputs import AddResult, EngineLoad, Handoff, NewRequest, StepOutput
+from shared.engine.engine import EngineCore
+from shared.engine.outputs import AddResult, Handoff, NewRequest, StepOutput
 from shared.kv_transfer import ShmConnector
+from shared.scheduling.load import EngineLoad
 from shared.scheduling.policy import SchedulingPolicy
 from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.messages import (

@@ -1,8 +1,8 @@
 """Service-side metric updates: turns engine step facts and service events into Prometheus metrics.
 
 Each service owns one :class:`ServiceMetrics` (the service shell creates it). Engine services
-feed it :class:`~shared.core.outputs.StepStats` and
-:class:`~shared.core.outputs.KVTransferStat`; it never sees a scheduler or a block manager. The
+feed it :class:`~shared.engine.outputs.StepStats` and
+:class:`~shared.engine.outputs.KVTransferStat`; it never sees a scheduler or a block manager. The
 HTTP endpoint (``/metrics``, ``/health``, ``/ready``) runs only when ``BATON_METRICS_PORT`` is
 set; event-driven metrics are always updated (a few increments per step), polled ones (queue
 depths, the spill store's size) only while the endpoint runs, since nobody could read them else.
@@ -24,7 +24,8 @@ from shared.observability.metrics import Metrics
 
 if TYPE_CHECKING:
     from services.shell.broker import Broker
-    from shared.core.outputs import EngineLoad, KVTransferStat, StepStats
+    from shared.engine.outputs import KVTransferStat, StepStats
+    from shared.scheduling.load import EngineLoad
     from shared.scheduling.policy import PrefillIntake
     from shared.scheduling.priority import Prioritizer
     from shared.wire.messages import DoneReply, ErrorReply, StartInfo

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from shared.core.limits import Limits
+from shared.limits import Limits
 from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.messages import RequestMsg
 

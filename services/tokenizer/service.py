@@ -26,7 +26,7 @@ from services.shell.common import resolve_model_dir
 from services.shell.shell import ServiceShell
 from services.tokenizer.core import PromptEncoder
 from shared.config import BatonConfig
-from shared.core.limits import Limits
+from shared.limits import Limits
 from shared.scheduling.policy import SchedulingPolicy
 from shared.scheduling.priority import Prioritizer, wire_priority
 from shared.wire.errors import ErrorCode, ProtocolError

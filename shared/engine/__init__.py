@@ -1,23 +1,9 @@
-"""Baton's native inference engine: model, paged KV cache, block manager, sampler.
+"""The engine core: synchronous, broker-free prefill and decode engines.
 
-The services drive it through three objects: :class:`BlockManager` (which KV blocks a sequence
-owns), :class:`ModelRunner` (one forward over a flat batch) and :class:`Sequence` (a request's
-tokens and progress). Nothing here touches the broker.
+A service shell feeds an engine through four verbs — ``add``, ``abort``, ``step`` and (prefill)
+``release`` — and publishes what ``step`` returns. Nothing here knows about RabbitMQ or asyncio;
+the parity suite drives these same objects without a broker (``tests/test_parity.py``).
 """
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.model_config import ModelConfig
-from shared.engine.model_runner import ModelRunner
-from shared.engine.sampler import Sampler
-from shared.engine.sequence import Sequence, SequenceStatus
-from shared.wire.sampling import SamplingParams
-
-__all__ = [
-    "BlockManager",
-    "ModelConfig",
-    "ModelRunner",
-    "Sampler",
-    "SamplingParams",
-    "Sequence",
-    "SequenceStatus",
-]
+# Modules: engine (the shared base), prefill, decode, outputs (plain data), build. The length and
+# stop rules live below every engine and scheduler, in shared/limits.py.

@@ -12,7 +12,7 @@ After vLLM's KV connector, reduced to what a disaggregated pair needs:
 
 Both roles see the engine's cache only through ``register_kv_cache`` (one tensor,
 ``[layers, 2, blocks, block_size, kv_heads, row_width]``, row_width = head_dim for a float
-cache, head_dim + 4 for int8's packed rows; shared/engine/kv_codec.py); no shell ever touches KV
+cache, head_dim + 4 for int8's packed rows; shared/runtime/kv_codec.py); no shell ever touches KV
 tensors. A transport moves whole blocks and never converts: two caches of different dtype or
 row width do not hand off.
 Layer-by-layer sends and swap-out/in fit the same verbs: a sender may publish its descriptor

@@ -1,4 +1,4 @@
-"""Native code outside torch: building C libraries of shared/engine/csrc, MKL's kernel choice.
+"""Native code outside torch: building C libraries of shared/runtime/csrc, MKL's kernel choice.
 
 Torch-free (it runs before torch loads).
 """

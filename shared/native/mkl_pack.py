@@ -13,7 +13,7 @@ and written once for a handful of output rows). ``cblas_sgemm_pack`` does that c
 | 4096 × 256 (LM head) | 221 / 94 | 466 / 357 | 825 / 716 | 1,661 / 1,365 | equal |
 
 Whole decode steps, and why one or two rows stay on the plain weight (MKL's GEMV beats the
-packed kernel there): the table in shared/engine/linear_layout.py.
+packed kernel there): the table in shared/runtime/linear_layout.py.
 
 The functions are MKL's own, exported by torch's CPU library where torch is built with MKL (the
 x86 wheels); elsewhere :func:`available` is False and the weights stay plain. A packed weight is

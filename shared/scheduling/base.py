@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import Sequence, SequenceStatus
+from shared.runtime.block_manager import BlockManager
+from shared.runtime.sequence import Sequence, SequenceStatus
 from shared.scheduling.waiting_queue import Ranking, WaitingQueue
 
 

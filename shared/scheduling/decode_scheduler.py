@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.core.limits import check_stop
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import Sequence, SequenceStatus
+from shared.limits import check_stop
+from shared.runtime.block_manager import BlockManager
+from shared.runtime.sequence import Sequence, SequenceStatus
 from shared.scheduling.base import SchedulerBase
 from shared.scheduling.prefill_scheduler import PrefillBatch
 from shared.scheduling.priority import Candidate, choose_victims, victim_order

@@ -7,7 +7,7 @@ the answers (docs/scheduling.md). Every input and every decision is also a Prome
 Inputs
 - broker depths: ready messages on ``baton.prefill`` and ``baton.decode`` (passive declares,
   polled every ``policy_poll_interval_s``);
-- the worker's load after each step (:class:`~shared.core.outputs.EngineLoad`): waiting and
+- the worker's load after each step (:class:`~shared.engine.outputs.EngineLoad`): waiting and
   running sequences, free and used KV blocks;
 - the spill store's size (prefill, shm transport);
 - the worker's steps: forward time, tokens computed per sequence, and how long a step's inputs
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.config import BatonConfig
-from shared.core.outputs import EngineLoad
+from shared.scheduling.load import EngineLoad
 from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE
 
 # Prefill intake: from SLOW_FROM of the pressure limit the window shrinks linearly to one message;

@@ -27,7 +27,7 @@ from shared.config import BatonConfig
 from shared.wire.queues import MAX_PRIORITY
 
 if TYPE_CHECKING:
-    from shared.engine.sequence import Sequence
+    from shared.runtime.sequence import Sequence
 
 # The horizon follows the median of this many recent waits, recomputed every MEDIAN_EVERY of
 # them; it only moves (and the waiting queue is re-keyed) when it changes by more than

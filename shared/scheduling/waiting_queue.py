@@ -12,7 +12,7 @@ import heapq
 import itertools
 from typing import Protocol
 
-from shared.engine.sequence import Sequence
+from shared.runtime.sequence import Sequence
 
 
 class Ranking(Protocol):

@@ -7,7 +7,7 @@ back to ``baton.decode``, where whichever worker the broker gives it to (``decod
 of 5 in the run measured here) resumes it by loading that KV. Every completion equals Hugging Face's
 greedy output; the metrics show as many swap-ins as swap-outs and not one preemption by
 recompute; the log shows both. (Which worker resumes is the broker's choice; the engine-level
-test, tests/core/test_swap_preemption.py, pins the cross-worker case.)
+test, tests/engine/test_swap_preemption.py, pins the cross-worker case.)
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from services.shell.registry import METRICS_ENDPOINTS
 from shared.config import DEFAULT_MODEL_DIR
 from shared.models.tiny.builder import ensure_tiny_model
 from shared.wire.messages import RequestMsg, SamplingParams
-from tests.engine.helpers import greedy, hf_greedy, torch_threads
 from tests.fault.harness import ReplyLog, poll_metric, scrape, service_processes
+from tests.runtime.helpers import greedy, hf_greedy, torch_threads
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

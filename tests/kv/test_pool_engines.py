@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from shared.core.build import build_decode_engine, build_prefill_engine
-from shared.core.outputs import AddResult, Handoff, NewRequest
-from shared.core.prefill import PrefillEngine
-from tests.engine.helpers import KV_TRANSPORTS, engine_config, greedy, tiny_model_dir, torch_threads
+from shared.engine.build import build_decode_engine, build_prefill_engine
+from shared.engine.outputs import AddResult, Handoff, NewRequest
+from shared.engine.prefill import PrefillEngine
+from tests.runtime.helpers import (
+    KV_TRANSPORTS,
+    engine_config,
+    greedy,
+    tiny_model_dir,
+    torch_threads,
+)
 
 MODEL = tiny_model_dir("llama")
 

@@ -23,8 +23,8 @@ from shared.config import REPO_ROOT
 from shared.wire.messages import HandoffMsg, PrefillMsg
 from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE
 from shared.wire.sampling import SamplingParams
-from tests.engine.helpers import EnginePair, greedy, tiny_model_dir
 from tests.fault.harness import poll_metric, service_processes
+from tests.runtime.helpers import EnginePair, greedy, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 

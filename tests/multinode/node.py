@@ -2,7 +2,7 @@
 
     python -m tests.multinode.node prefill|decode --model DIR --host ADDR --spill DIR
 
-Builds the engine as the services do (``shared.core.build``, ``BATON_KV_TRANSPORT=mooncake``
+Builds the engine as the services do (``shared.engine.build``, ``BATON_KV_TRANSPORT=mooncake``
 with ``kv_mooncake_host`` = this node's address on the link) and answers one JSON request per
 line (``op``: add, step, release, state, quit) with one JSON line ``{"ok": ...}`` or
 ``{"error": ...}``. Only replies go to stdout (everything else printed goes to stderr).
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from shared.config import BatonConfig
-from shared.core.build import build_decode_engine, build_prefill_engine
-from shared.core.engine import EngineCore
-from shared.core.outputs import NewRequest
+from shared.engine.build import build_decode_engine, build_prefill_engine
+from shared.engine.engine import EngineCore
+from shared.engine.outputs import NewRequest
 from shared.wire.messages import KVDescriptor, KVRelease
 from shared.wire.sampling import SamplingParams
 

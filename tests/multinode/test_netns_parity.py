@@ -1,7 +1,7 @@
 """Greedy parity across two "nodes": prefill in one network namespace, decode in another, the KV
 pulled over the veth link by ``BATON_KV_TRANSPORT=mooncake`` (TCP, no metadata server).
 
-Both engines are the production ones (``shared.core.build``), each in its own process and
+Both engines are the production ones (``shared.engine.build``), each in its own process and
 namespace, driven by this test as the shells drive them over the broker (``tests/multinode/
 rig.py`` says why not through the broker). The prompts are the production parity prompts
 (``tests/test_parity.py``): every completion must equal transformers' greedy output, every KV
@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.engine.helpers import hf_greedy, tiny_model_dir, torch_threads
 from tests.multinode.rig import Netns, Node, netns_pair, netns_unavailable
+from tests.runtime.helpers import hf_greedy, tiny_model_dir, torch_threads
 from tests.test_parity import build_cases
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.engine.sequence import Sequence
+from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillBatch
 from shared.wire.sampling import SamplingParams
 

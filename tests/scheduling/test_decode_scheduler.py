@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shared.config import BatonConfig
-from shared.core.limits import Limits
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import Sequence, SequenceStatus
+from shared.limits import Limits
+from shared.runtime.block_manager import BlockManager
+from shared.runtime.sequence import Sequence, SequenceStatus
 from shared.scheduling import DecodeScheduler, DecodeStep
 from tests.scheduling.helpers import BS, EOS, plan, seq
 

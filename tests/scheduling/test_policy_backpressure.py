@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config import BatonConfig
-from shared.core.outputs import EngineLoad
+from shared.scheduling.load import EngineLoad
 from shared.scheduling.policy import (
     MAX_BATCHES_AHEAD,
     SLOW_FROM,

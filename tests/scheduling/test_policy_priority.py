@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from shared.config import BatonConfig
-from shared.engine.sequence import Sequence
+from shared.runtime.sequence import Sequence
 from shared.scheduling.priority import (
     HORIZON_STEP,
     MEDIAN_EVERY,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import SequenceStatus
+from shared.runtime.block_manager import BlockManager
+from shared.runtime.sequence import SequenceStatus
 from shared.scheduling import PrefillScheduler
 from tests.scheduling.helpers import BS, plan, seq
 

@@ -1,0 +1,66 @@
+"""Building an engine from the configuration: connector first, since it may own the KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.config import BatonConfig
+from shared.engine.decode import DecodeEngine
+from shared.engine.prefill import PrefillEngine
+from shared.kv_transfer import ShmConnector, make_connector
+from shared.kv_transfer.connector import KVConnector
+from shared.runtime.model_runner import ModelRunner
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> PrefillEngine:
+    connector = make_connector(config, role="prefill")
+    runner = ModelRunner(
+        config,
+        model_dir,
+        allocate_kv_cache=connector.allocate_kv_cache,
+        kv_host_cache_bytes=host_cache_bytes(config),
+    )
+    # A pooled transport maps the device pool only: prompts holding host blocks go by copy.
+    spill = None
+    if runner.host_tier is not None and not isinstance(connector, ShmConnector):
+        spill = spill_store(config)
+    return PrefillEngine(config, runner, connector, spill)
+
+
+def build_decode_engine(
+    config: BatonConfig, model_dir: Path | None = None, kv_host_cache_bytes: int | None = None
+) -> DecodeEngine:
+    """``kv_host_cache_bytes``: the host tier's size, exact (default ``kv_host_cache_mb``)."""
+    swap = make_swap_connector(config)
+    connector = make_connector(config, role="decode")
+    runner = ModelRunner(
+        config,
+        model_dir,
+        allocate_kv_cache=connector.allocate_kv_cache,
+        kv_host_cache_bytes=(
+            host_cache_bytes(config) if kv_host_cache_bytes is None else kv_host_cache_bytes
+        ),
+    )
+    return DecodeEngine(config, runner, connector, swap)
+
+
+def make_swap_connector(config: BatonConfig) -> KVConnector | None:
+    """Where decode swaps preempted sequences out: the spill store every decode worker on the
+    node reads (None: ``BATON_DECODE_PREEMPTION=recompute``)."""
+    if config.decode_preemption not in PREEMPTION_MODES:
+        raise ValueError(
+            f"BATON_DECODE_PREEMPTION={config.decode_preemption!r}: one of {PREEMPTION_MODES}"
+        )
+    if config.decode_preemption == "recompute":
+        return None
+    return spill_store(config)
+
+
+def host_cache_bytes(config: BatonConfig) -> int:
+    return config.kv_host_cache_mb << 20
+
+
+def spill_store(config: BatonConfig) -> ShmConnector:
+    return ShmConnector(config.spill_dir, config.spill_max_bytes, config.spill_orphan_timeout_s)

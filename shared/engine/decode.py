@@ -1,0 +1,216 @@
+"""The decode engine: continuous batching over the paged cache, one token per sequence a step.
+
+An added request carries the descriptor of its prompt's KV. When the scheduler admits it (blocks
+allocated), the connector copies that KV into its blocks; without a descriptor, or if the KV is
+gone (an earlier receiver consumed it before crashing, the store was full), the scheduler
+recomputes the KV inside this engine.
+
+Preemption by swap (``BATON_DECODE_PREEMPTION=swap``, the default): the victim's computed KV is
+copied into the spill store by this engine's own sending role (``swap``, a spill-store connector
+beside the receiving one) and the request leaves as a handoff to ``baton.decode`` — prompt,
+tokens so far, the KV's descriptor, its effective priority — for whichever decode worker has
+room (this one included), which loads the KV and goes on with no recompute. If the store is
+full, the victim stays here and recomputes (``recompute`` mode always does).
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from shared.config import BatonConfig
+from shared.engine.engine import EngineCore
+from shared.engine.outputs import (
+    AddResult,
+    Handoff,
+    KVTransferStat,
+    NewRequest,
+    StepOutput,
+    TokenOutput,
+)
+from shared.kv_transfer.connector import KVConnector
+from shared.runtime.model_runner import ModelRunner
+from shared.runtime.sequence import Sequence
+from shared.scheduling import DecodeScheduler, DecodeStep
+from shared.scheduling.priority import wire_priority
+from shared.wire.messages import KVDescriptor, KVRelease
+
+log = structlog.get_logger(__name__)
+
+
+class DecodeEngine(EngineCore):
+    kind = "decode"
+    scheduler: DecodeScheduler
+
+    def __init__(
+        self,
+        config: BatonConfig,
+        runner: ModelRunner,
+        connector: KVConnector,
+        swap: KVConnector | None = None,
+    ) -> None:
+        """``swap``: where preempted sequences' KV goes (a spill-store connector on this engine's
+        cache); None: preemption recomputes."""
+        super().__init__(config, runner, connector)
+        self.swap = swap
+        if swap is not None:
+            swap.register_kv_cache(runner.kv_cache)
+        self.scheduler = DecodeScheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.eos_token_ids,
+            ranking=self.priorities,
+            swap_out=self._swap_out if swap is not None else None,
+        )
+        self._swapped: dict[str, KVDescriptor] = {}  # swapped out this step, not yet handed on
+        self.num_swaps_in = 0
+        self._kv: dict[str, KVDescriptor] = {}  # not yet loaded, by request id
+        self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
+        self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
+        self._last_reclaim = time.time()
+
+    def add(self, req: NewRequest, now: float | None = None) -> AddResult:
+        result = super().add(req, now)
+        # A refused copy's KV is nobody's now. A duplicate keeps its KV only if it is the very
+        # descriptor still waiting here (a redelivery): a replayed prefill's own send (its first
+        # prefill died before acking) would stay pinned or spilled until lease/orphan timeout.
+        if req.kv is not None and (
+            result in (AddResult.STALE, AddResult.TOO_LONG)
+            or (result is AddResult.DUPLICATE and self._kv.get(req.request_id) != req.kv)
+        ):
+            self._discard(req.kv)
+        return result
+
+    def _admit(self, seq: Sequence, req: NewRequest) -> None:
+        if req.kv is not None:
+            self._kv[seq.request_id] = req.kv
+        self.scheduler.add(seq)
+
+    def _drop(self, request_id: str) -> None:
+        super()._drop(request_id)
+        desc = self._kv.pop(request_id, None)
+        if desc is not None:
+            self._discard(desc)
+
+    def _receiver(self, desc: KVDescriptor) -> KVConnector:
+        """The connector that reads ``desc``: swapped-out KV sits in the spill store, whatever
+        transport prefill hands off through."""
+        if self.swap is not None and desc.transport == self.swap.name != self.connector.name:
+            return self.swap
+        return self.connector
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """The scheduler's ``swap_out``: copy the victim's KV to the spill store (the blocks
+        are freed by the scheduler right after) and hand the request on at the end of the step."""
+        assert self.swap is not None
+        try:
+            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
+                desc = self.swap.send(seq.request_id, block_ids, seq.num_computed_tokens)
+        except Exception:
+            log.exception("swap-out failed; recomputing", request_id=seq.request_id)
+            return False
+        if desc is None:  # the store is full
+            return False
+        self.swap.pop_freeable(time.time())  # a copy: the duty to free came straight back
+        self._swapped[seq.request_id] = desc
+        log.info("swapped out", request_id=seq.request_id, num_tokens=desc.num_tokens)
+        return True
+
+    def _hand_on_swapped(self, now: float, out: StepOutput) -> None:
+        for rid, desc in self._swapped.items():
+            seq = self.requests[rid]
+            aged = self.priorities.effective(
+                seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
+            )
+            out.handoffs.append(Handoff(rid, seq.output_token_ids, desc, wire_priority(aged)))
+            self._retire(rid, out)
+        self._swapped.clear()
+
+    def _discard(self, desc: KVDescriptor) -> None:
+        # Runs inside abort/add/expiry: a descriptor this connector cannot read (another
+        # transport, a bad key) must not break those verbs; orphan reclaim frees its KV.
+        try:
+            release = self._receiver(desc).discard(desc)
+        except Exception:
+            log.exception("KV discard failed", transport=desc.transport)
+            return
+        if release is not None:
+            self._releases.append(release)
+
+    def _step(self, now: float) -> StepOutput:
+        out = StepOutput(releases=self._releases)
+        self._releases = []
+        self._expire(now, out)
+        admitted = self.scheduler.admit()
+        self._started(admitted, now)
+        for seq in admitted:
+            self._load(seq, out)
+        self._reclaim_orphans(now)
+        sched = self.scheduler.schedule()
+        self._hand_on_swapped(now, out)  # victims of admit() and schedule()
+        if not sched:
+            return out
+        t0 = time.perf_counter()
+        seqs = [*sched.recompute.seqs, *sched.decode]
+        tokens = self._forward(seqs, out, lambda: self._run(sched))
+        if tokens is None:
+            return out
+        forward_s = time.perf_counter() - t0
+        reasons = {f.seq.request_id: f.reason for f in self.scheduler.update(sched, tokens)}
+        for seq, token in zip(sched.decode, tokens, strict=True):
+            rid = seq.request_id
+            out.tokens.append(
+                TokenOutput(rid, seq.num_output_tokens - 1, [token], reasons.get(rid))
+            )
+        for rid in reasons:
+            self._retire(rid, out)
+        out.stats = self._stats(
+            len(seqs),
+            sched.recompute.num_tokens + len(sched.decode),
+            len(sched.decode),
+            sum(s.num_tokens for s in sched.decode),
+            forward_s,
+            self.scheduler.num_preemptions,
+            self.scheduler.num_swaps,
+            self.num_swaps_in,
+        )
+        return out
+
+    def _run(self, sched: DecodeStep) -> list[int]:
+        if sched.recompute.seqs:
+            self.runner.prefill(sched.recompute.seqs, sched.recompute.num_new_tokens)
+        return self.runner.decode(sched.decode)
+
+    def _load(self, seq: Sequence, out: StepOutput) -> None:
+        """Copy an admitted sequence's KV in; blocks that were prefix hits here already hold it."""
+        desc = self._kv.pop(seq.request_id, None)
+        if desc is None:
+            return
+        first = seq.num_computed_tokens // self.block_manager.block_size
+        last = self.block_manager.blocks_for(desc.num_tokens)
+        try:
+            with self._device_ids(seq.block_table[first:last], read=False, write=True) as ids:
+                result = self._receiver(desc).load(desc, ids, first)
+        except Exception:  # never wrong KV: recompute whatever was partly written
+            log.exception("KV load failed; recomputing", request_id=seq.request_id)
+            self._discard(desc)  # the sender may free its copy now, not at lease expiry
+            return
+        if result.release is not None:
+            out.releases.append(result.release)
+        if not result.loaded:
+            log.warning("KV gone; recomputing", request_id=seq.request_id)
+            return
+        seq.num_computed_tokens = max(seq.num_computed_tokens, desc.num_tokens)
+        out.transfers.append(KVTransferStat(desc.transport, result.nbytes, result.seconds))
+        if desc.num_tokens > seq.num_prompt_tokens:  # KV of generated tokens: a decode swapped it
+            self.num_swaps_in += 1
+            log.info("swapped in", request_id=seq.request_id, num_tokens=desc.num_tokens)
+
+    def _reclaim_orphans(self, now: float) -> None:
+        if now - self._last_reclaim >= self._reclaim_interval_s:
+            self._last_reclaim = now
+            self.connector.reclaim_orphans(now)
+            if self.swap is not None:
+                self.swap.reclaim_orphans(now)

@@ -1,0 +1,101 @@
+"""What goes into an engine and what one ``step`` gives back. Plain data, no behaviour."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.scheduling.load import EngineLoad
+from shared.wire.errors import ErrorCode
+from shared.wire.messages import KVDescriptor, KVRelease
+from shared.wire.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request as an engine receives it (the shell translates its wire message into this)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # decode: generated so far (>= 1)
+    priority: int = 0
+    arrival_time: float = 0.0  # wall clock
+    deadline: float | None = None  # wall clock; None = no deadline
+    kv: KVDescriptor | None = None  # decode: where the prompt's KV waits; None = recompute
+
+
+class AddResult(enum.Enum):
+    ADDED = enum.auto()  # the engine owns the request until it shows up in ``retired``
+    DUPLICATE = enum.auto()  # already here (a redelivery): drop this copy
+    STALE = enum.auto()  # cancelled or past its deadline: drop it (the detokenizer answers)
+    TOO_LONG = enum.auto()  # can never fit this engine: answer ``prompt_too_long``
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New tokens of one request at output positions ``[index, index + len(token_ids))``."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" when this ends the request
+    scheduled_at: float | None = None  # prefill: wall clock when its batch started
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill → decode: a finished prompt, its first token(s) and where its KV waits."""
+
+    request_id: str
+    output_token_ids: list[int]
+    kv: KVDescriptor | None  # None: the transport could not take it; decode recomputes
+    priority: int = 0  # the AMQP priority of the handoff: the effective priority when it left
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class KVTransferStat:
+    transport: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Facts about one forward, for metrics. Cumulative counters are running totals."""
+
+    num_seqs: int
+    num_scheduled_tokens: int
+    num_generated_tokens: int
+    num_context_tokens: int  # KV tokens the forward read (decode bandwidth)
+    forward_s: float
+    prefix_queries_total: int
+    prefix_hits_total: int
+    preemptions_total: int  # by recompute
+    swaps_out_total: int = 0  # preemptions by swap (decode)
+    swaps_in_total: int = 0  # sequences resumed from swapped-out KV (decode)
+
+
+@dataclass
+class StepOutput:
+    """Everything one ``step`` produced. The shell publishes ``tokens``, ``handoffs``, ``errors``
+    and ``releases``, and only once those are confirmed acks the inputs of ``retired``."""
+
+    tokens: list[TokenOutput] = field(default_factory=list)
+    handoffs: list[Handoff] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)  # request ids this engine is done with
+    releases: list[KVRelease] = field(default_factory=list)  # receiver → sender notices
+    transfers: list[KVTransferStat] = field(default_factory=list)
+    stats: StepStats | None = None  # None when no forward ran
+    load: EngineLoad = field(default_factory=EngineLoad)  # set by every step
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.handoffs or self.errors or self.retired or self.releases)

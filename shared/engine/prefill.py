@@ -1,0 +1,122 @@
+"""The prefill engine: batch prompts under a token budget, sample each first token, hand off.
+
+Per completed prompt: its first token is an output; unless that token already ends the request
+(EOS, ``max_tokens`` 1), its KV goes to the connector and a :class:`Handoff` is an output. A sent
+request's blocks stay allocated until the connector says they may be freed (at once for a copy
+transport; on decode's release or a lease expiry for a pooled one).
+
+With a host tier (``BATON_KV_HOST_CACHE_MB``, shared/runtime/kv_tiers.py) a pooled transport
+cannot carry a prompt holding host blocks (decode reads the sender's device pool in place):
+such a prompt goes through ``spill``, the spill store, which copies it at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shared.config import BatonConfig
+from shared.engine.engine import EngineCore
+from shared.engine.outputs import Handoff, KVTransferStat, NewRequest, StepOutput, TokenOutput
+from shared.kv_transfer.connector import KVConnector
+from shared.limits import check_stop
+from shared.runtime.model_runner import ModelRunner
+from shared.runtime.sequence import Sequence
+from shared.scheduling import PrefillScheduler
+from shared.scheduling.priority import wire_priority
+from shared.wire.messages import KVRelease
+
+
+class PrefillEngine(EngineCore):
+    kind = "prefill"
+    scheduler: PrefillScheduler
+
+    def __init__(
+        self,
+        config: BatonConfig,
+        runner: ModelRunner,
+        connector: KVConnector,
+        spill: KVConnector | None = None,
+    ) -> None:
+        """``spill``: a copy transport for prompts holding host-tier blocks when ``connector``
+        maps the device pool in place (None: ``connector`` carries everything)."""
+        super().__init__(config, runner, connector)
+        self.spill = spill
+        if spill is not None:
+            spill.register_kv_cache(runner.kv_cache)
+        self.scheduler = PrefillScheduler(
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.prefill_max_num_seqs,
+            ranking=self.priorities,
+        )
+        # Sent to the connector, blocks not yet freed: request id -> its sequence.
+        self._handed_off: dict[str, Sequence] = {}
+
+    def is_drained(self) -> bool:
+        return super().is_drained() and not self._handed_off
+
+    def release(self, notice: KVRelease, now: float | None = None) -> None:
+        """Decode is done with a request's KV (pooled transports)."""
+        self.connector.release(notice)
+        self._free_handed_off(time.time() if now is None else now)
+
+    def _admit(self, seq: Sequence, req: NewRequest) -> None:
+        self.scheduler.add(seq)
+
+    def _step(self, now: float) -> StepOutput:
+        out = StepOutput()
+        self._expire(now, out)
+        self._free_handed_off(now)
+        batch = self.scheduler.schedule()
+        if not batch:
+            return out
+        self._started(batch.seqs, now)
+        started, t0 = time.time(), time.perf_counter()
+        tokens = self._forward(
+            batch.seqs, out, lambda: self.runner.prefill(batch.seqs, batch.num_new_tokens)
+        )
+        if tokens is None:
+            return out
+        forward_s = time.perf_counter() - t0
+        done = self.scheduler.update(batch, tokens)
+        for seq in done:
+            self._finish_prompt(seq, started, now, out)
+        self._free_handed_off(now)
+        out.stats = self._stats(len(batch), batch.num_tokens, len(done), 0, forward_s)
+        return out
+
+    def _finish_prompt(self, seq: Sequence, started: float, now: float, out: StepOutput) -> None:
+        rid, token = seq.request_id, seq.last_token_id
+        reason = check_stop(token, seq.num_output_tokens, seq.sampling, self.eos_token_ids)
+        out.tokens.append(TokenOutput(rid, 0, [token], reason, scheduled_at=started))
+        if reason is None:
+            t0 = time.perf_counter()
+            tier = self.runner.host_tier
+            on_host = tier is not None and tier.holds_host(seq.block_table)
+            sender = self.spill if on_host and self.spill is not None else self.connector
+            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
+                desc = sender.send(rid, block_ids, seq.num_computed_tokens)
+            if desc is None:  # the transport is full: decode recomputes
+                self.scheduler.free(seq)
+            else:
+                self._handed_off[rid] = seq
+                out.transfers.append(
+                    KVTransferStat(desc.transport, desc.nbytes, time.perf_counter() - t0)
+                )
+            # The next hop's priority: the effective one now, aging included; the short-prompt
+            # boost stays here (it answers prefill's backlog, not decode's).
+            aged = self.priorities.effective(
+                seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
+            )
+            out.handoffs.append(Handoff(rid, seq.output_token_ids, desc, wire_priority(aged)))
+        else:
+            self.scheduler.free(seq)
+        self._retire(rid, out)
+
+    def _free_handed_off(self, now: float) -> None:
+        senders = (self.connector,) if self.spill is None else (self.connector, self.spill)
+        for sender in senders:
+            for rid in sender.pop_freeable(now):
+                seq = self._handed_off.pop(rid, None)
+                if seq is not None:
+                    self.scheduler.free(seq)

@@ -1,0 +1,402 @@
+"""Paged attention: store the new K/V at ``slot_mapping``, then attend over each sequence's KV.
+
+The runner builds one metadata object per forward (tensors, masks, gather indices) through an
+:class:`AttentionBackend`; every layer then calls :func:`attention` with it. Two backends:
+- torch (any device, the CPU path): decode copies only K (per KV head, padded to the longest
+  context) for one batched matmul and reads V in place (see :class:`TorchDecodeMetadata`); on
+  CPU with an fp32 float cache, decode goes through the C kernel of cpu_attention.py instead
+  (:class:`CpuKernelDecodeMetadata`: K and V read in place, once);
+  prefill runs one SDPA per sequence, causal (``is_causal``) when it has no cached prefix, else
+  with a causal-with-offset mask; on CPU in fp32 the fresh prompts (no cached prefix) go through
+  the C kernel of cpu_prefill_attention.py instead, all in one call. A quantised cache
+  (``BATON_KV_CACHE_DTYPE=int8``, kv_codec.py) decodes through
+  :class:`TorchQuantDecodeMetadata` on any device.
+- triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
+  pools in place.
+
+Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see ENGINE.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from shared.runtime.attention_triton import TritonAttentionBackend, block_table_tensor
+from shared.runtime.cpu_attention import DecodeKernel, KernelBatch, load_kernel
+from shared.runtime.cpu_prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
+from shared.runtime.kv_codec import FloatKV, Int8KV, KVCodec
+
+log = structlog.get_logger(__name__)
+
+
+class AttentionMetadata(Protocol):
+    slot_mapping: torch.Tensor
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (the new tokens) -> ``[T, Hq, D]``."""
+    return meta.forward(q, k, v, kv_layer)
+
+
+def gather_blocks(kv_layer: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+    """Blocks of both pools as ``[2, n, block_size, Hkv, D]``; ``kv_rows`` indexes the layer
+    viewed as ``2 * num_blocks`` rows (K block b is row b, V block b row num_blocks + b).
+
+    One index_select over whole-block rows: a parallel row memcpy, several times faster on CPU
+    than advanced indexing of the 5-D pool.
+    """
+    num_rows = kv_rows.shape[0]
+    rows = kv_layer.view(-1, kv_layer[0, 0].numel()).index_select(0, kv_rows)
+    return rows.view(2, num_rows // 2, *kv_layer.shape[2:])
+
+
+def block_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    return torch.cat((block_ids, block_ids + num_blocks))
+
+
+FLOAT_KV = FloatKV()
+
+
+def store_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    codec: KVCodec = FLOAT_KV,
+) -> None:
+    flat = kv_layer.flatten(1, 2)  # [2, num_slots, Hkv, row width], a view
+    flat[0].index_copy_(0, slot_mapping, codec.encode(k))
+    flat[1].index_copy_(0, slot_mapping, codec.encode(v))
+
+
+@dataclass
+class TorchDecodeMetadata:
+    """Decode attention read off the pools, shared by every layer of one step.
+
+    K: one index_select of the ``(slot, kv head)`` rows of the pool viewed as ``[slots * Hkv,
+    D]``, straight into ``[B * Hkv, L, D]``, the layout of one batched ``q @ Kᵀ`` (each KV head
+    with its group of query heads; q head h uses KV head h // group, as in repeat_kv). V is never
+    copied: ``embedding_bag`` sums each query head's V rows weighted by its probabilities, in
+    place. ``L`` is the longest context of the batch; a shorter one's padding rows point at real
+    slots (its own spare ones, or block 0's) and get probability exactly 0.
+
+    On CPU a decode step streams every running sequence's KV from memory; this reads it once
+    and writes one K copy, where gathering K and V for SDPA wrote both and read them twice.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [B]
+    k_rows: torch.Tensor  # int64 [B, Hkv, L]: slot * Hkv + kv head (padding: block 0's slots)
+    mask: torch.Tensor  # fp32 [B * Hkv, 1, L] additive: 0 in the context, -inf in the padding
+    scale: float
+    # k_rows repeated for each query head of a group, [B * Hq, L]: built by the first layer
+    # (the backend does not know the group), reused by the others.
+    v_rows: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        batch, num_heads, head_dim = q.shape
+        _, num_kv_heads, context = self.k_rows.shape
+        group = num_heads // num_kv_heads
+        if self.v_rows is None:
+            rows = self.k_rows[:, :, None, :].expand(batch, num_kv_heads, group, context)
+            self.v_rows = rows.reshape(batch * num_heads, context)
+        keys = kv_layer[0].view(-1, head_dim).index_select(0, self.k_rows.view(-1))
+        scores = torch.baddbmm(
+            self.mask.to(q.dtype),
+            q.reshape(batch * num_kv_heads, group, head_dim),
+            keys.view(batch * num_kv_heads, context, head_dim).transpose(1, 2),
+            alpha=self.scale,
+        )
+        probs = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax; no-op casts in fp32
+        out = F.embedding_bag(
+            self.v_rows,
+            kv_layer[1].view(-1, head_dim),
+            mode="sum",
+            per_sample_weights=probs.view(self.v_rows.shape),
+        )
+        return out.view(batch, num_heads, head_dim)
+
+
+@dataclass
+class CpuKernelDecodeMetadata:
+    """Decode attention through the C kernel (cpu_attention.py): K and V read in place, once;
+    the same numbers as :class:`TorchDecodeMetadata` up to summation order."""
+
+    slot_mapping: torch.Tensor  # int64 [B]
+    rows: KernelBatch  # block tables and context lengths, checked once per step
+    scale: float
+    kernel: DecodeKernel
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        return self.kernel.attend(q, kv_layer, self.rows, self.scale)
+
+
+@dataclass
+class TorchQuantDecodeMetadata:
+    """Decode attention over a quantised cache: the batch's K rows and V rows are each read with
+    one index_select (as K is in :class:`TorchDecodeMetadata`), then two batched matmuls on the
+    int8 values. The per-row scales are folded in where they cost least: K's into the scores
+    (``q . (s k) = s (q . k)``), V's into the probabilities. The float path's in-place
+    ``embedding_bag`` over V needs float rows, so V is copied here too; the rows copied are a
+    quarter of fp32's bytes."""
+
+    slot_mapping: torch.Tensor  # int64 [B]
+    k_rows: torch.Tensor  # int64 [B, Hkv, L], as in TorchDecodeMetadata
+    mask: torch.Tensor  # fp32 [B * Hkv, 1, L]
+    scale: float
+    codec: Int8KV
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        batch, num_heads, head_dim = q.shape
+        _, num_kv_heads, context = self.k_rows.shape
+        rows, width = self.k_rows.view(-1), kv_layer.shape[-1]
+        shape = (batch * num_kv_heads, context, head_dim)
+        k_vals, k_scale = self.codec.split(kv_layer[0].view(-1, width).index_select(0, rows))
+        scores = torch.bmm(
+            q.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim),
+            k_vals.to(q.dtype).view(shape).transpose(1, 2),
+        )
+        k_scale = k_scale.view(shape[0], 1, context)
+        scores = torch.addcmul(self.mask, scores, k_scale, value=self.scale)
+        probs = scores.float().softmax(-1)
+        v_vals, v_scale = self.codec.split(kv_layer[1].view(-1, width).index_select(0, rows))
+        probs = (probs * v_scale.view(shape[0], 1, context)).to(q.dtype)
+        return torch.bmm(probs, v_vals.to(q.dtype).view(shape)).view(batch, num_heads, head_dim)
+
+
+@dataclass
+class _CachedPrefix:
+    """A chunk that continues a computed prefix attends over the cache, not just itself."""
+
+    kv_rows: torch.Tensor  # its blocks, see gather_blocks
+    context_len: int  # prefix + this chunk
+    mask: torch.Tensor  # bool [n, context_len]: causal, offset by the prefix
+
+
+@dataclass
+class _PrefillSeq:
+    query_start: int
+    query_end: int
+    prefix: _CachedPrefix | None  # None: the chunk is the whole context (plain causal)
+
+
+@dataclass
+class _KernelPrompts:
+    """The fresh prompts the C prefill kernel computes (the other sequences take SDPA)."""
+
+    kernel: PrefillKernel
+    prompts: FreshPrompts
+
+
+@dataclass
+class TorchPrefillMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]
+    seqs: list[_PrefillSeq]  # those SDPA computes
+    scale: float
+    codec: KVCodec  # how the cache stores rows: a cached prefix is read back through it
+    fresh: _KernelPrompts | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        if self.fresh is not None:
+            self.fresh.kernel.attend(q, k, v, self.fresh.prompts, self.scale, out)
+        for s in self.seqs:
+            rows = slice(s.query_start, s.query_end)
+            mask = None
+            if s.prefix is None:
+                ks, vs = k[rows], v[rows]
+            else:
+                blocks = gather_blocks(kv_layer, s.prefix.kv_rows)
+                kv = self.codec.decode(blocks, q.dtype).flatten(1, 2)
+                ks, vs = kv[0, : s.prefix.context_len], kv[1, : s.prefix.context_len]
+                mask = s.prefix.mask
+            # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
+            # than its enable_gqa path, which falls back to unfused math on CPU).
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None],
+                _per_query_head(ks, group),
+                _per_query_head(vs, group),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+            )
+            out[rows] = o[0].transpose(0, 1)
+        return out
+
+
+def _per_query_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[n, Hkv, D]`` -> ``[1, Hkv * group, n, D]``, KV head h serving query heads
+    ``h * group .. h * group + group - 1`` (transformers' repeat_kv order)."""
+    n, num_kv_heads, head_dim = x.shape
+    if group > 1:
+        x = x[:, :, None].expand(n, num_kv_heads, group, head_dim).reshape(n, -1, head_dim)
+    return x.transpose(0, 1)[None]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        scale: float,
+        device: torch.device,
+        codec: KVCodec = FLOAT_KV,
+        decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: PrefillKernel | None = None,
+    ):
+        """``decode_kernel`` / ``prefill_kernel``: decode attention / fresh prompts' prefill
+        attention through the C kernels (fp32 on CPU, a float cache); None = the torch path."""
+        self.codec = codec
+        self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
+        kernels = [n for n, k in (("decode", decode_kernel), ("prefill", prefill_kernel)) if k]
+        if kernels:
+            self.name = "torch+c-" + "+".join(kernels)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.device = device
+        self._block_offsets = torch.arange(block_size, device=device)
+        self._kv_heads = torch.arange(num_kv_heads, device=device)[:, None]
+
+    def decode_metadata(
+        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
+    ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata | CpuKernelDecodeMetadata:
+        dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
+        batch, context = len(context_lens), max(context_lens)
+        max_blocks = (context + bs - 1) // bs
+        tables = block_table_tensor(block_tables, max_blocks, torch.int64, dev)
+        if self.decode_kernel is not None:
+            lens_tensor = torch.tensor(context_lens, dtype=torch.int64)
+            return CpuKernelDecodeMetadata(
+                torch.tensor(slot_mapping, dtype=torch.int64),
+                KernelBatch(tables, lens_tensor, context, bs),
+                self.scale,
+                self.decode_kernel,
+            )
+        slots = (tables[:, :, None] * bs + self._block_offsets).view(batch, -1)[:, :context]
+        lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+        padding = torch.arange(context, device=dev) >= lens[:, None]
+        mask = torch.zeros(batch, context, device=dev).masked_fill_(padding, float("-inf"))
+        slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
+        k_rows = slots[:, None, :] * num_kv_heads + self._kv_heads
+        mask = mask[:, None, None, :].expand(batch, num_kv_heads, 1, context).flatten(0, 1)
+        if isinstance(self.codec, Int8KV):
+            return TorchQuantDecodeMetadata(slot_tensor, k_rows, mask, self.scale, self.codec)
+        return TorchDecodeMetadata(slot_tensor, k_rows, mask, self.scale)
+
+    def prefill_metadata(
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+    ) -> TorchPrefillMetadata:
+        dev, bs = self.device, self.block_size
+        seqs: list[_PrefillSeq] = []
+        fresh: list[tuple[int, int]] = []
+        start = 0
+        for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+            if n == ctx and self.prefill_kernel is not None:
+                fresh.append((start, start + n))
+            elif n == ctx:
+                seqs.append(_PrefillSeq(start, start + n, None))
+            else:
+                nblk = (ctx + bs - 1) // bs
+                kv_rows = block_rows(torch.tensor(bt[:nblk], device=dev), self.num_blocks)
+                # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
+                q_pos = torch.arange(ctx - n, ctx, device=dev)
+                mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+                seqs.append(_PrefillSeq(start, start + n, _CachedPrefix(kv_rows, ctx, mask)))
+            start += n
+        kernel_prompts = None
+        if fresh and self.prefill_kernel is not None:
+            prompts = FreshPrompts.of(fresh, start)
+            kernel_prompts = _KernelPrompts(self.prefill_kernel, prompts)
+        return TorchPrefillMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            seqs=seqs,
+            scale=self.scale,
+            codec=self.codec,
+            fresh=kernel_prompts,
+        )
+
+
+AttentionBackend = TorchAttentionBackend | TritonAttentionBackend
+CPU_ATTENTION_MODES = ("auto", "torch")
+
+
+def select_backend(
+    device: torch.device,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    scale: float,
+    codec: KVCodec = FLOAT_KV,
+    dtype: torch.dtype = torch.float32,
+    cpu_attention: str = "auto",
+    head_dim: int | None = None,
+) -> AttentionBackend:
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
+    decode over an fp32 float cache goes through the C kernel unless ``cpu_attention`` is
+    ``"torch"`` (or the kernel cannot be built), and so does a fresh prompt's prefill where
+    ``head_dim`` is given and the prefill kernel takes it (a multiple of 16, up to 256).
+
+    A quantised cache takes the torch path on every device: the Triton decode kernel's int8
+    specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
+    if cpu_attention not in CPU_ATTENTION_MODES:
+        raise ValueError(f"BATON_CPU_ATTENTION={cpu_attention!r}: one of {CPU_ATTENTION_MODES}")
+    if device.type == "cuda" and codec.quantized:
+        log.warning("int8 KV cache: torch attention (the Triton kernels read float caches)")
+    elif device.type == "cuda":
+        try:
+            import kernels
+
+            needed = ("paged_decode_attention", "prefill_attention", "store_kv")
+            # kernels imports lazily: the package loads without triton, its ops would not run.
+            has_triton = getattr(kernels, "triton_available", lambda: True)()
+            if has_triton and all(hasattr(kernels, name) for name in needed):
+                return TritonAttentionBackend(kernels, block_size, scale, device)
+            log.warning("triton kernels unavailable; using torch attention")
+        except ImportError as exc:  # triton missing or broken on this host
+            log.warning("triton kernels unavailable; using torch attention", error=str(exc))
+    kernel = prefill_kernel = None
+    if device.type == "cpu" and cpu_attention == "auto" and not codec.quantized:
+        if dtype == torch.float32:
+            kernel = load_kernel()
+            if head_dim is not None and PrefillKernel.supports(head_dim):
+                prefill_kernel = load_prefill_kernel()
+    return TorchAttentionBackend(
+        num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel
+    )

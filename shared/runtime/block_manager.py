@@ -1,0 +1,250 @@
+"""Paged KV block allocation with prefix caching (vLLM-style, hash-chained full blocks).
+
+A block is in exactly one of three states:
+- in use: ``ref_count > 0``; listed in the block tables of ``ref_count`` sequences;
+- cached-free: ``ref_count == 0`` with a published hash; still a prefix hit until evicted, kept
+  in LRU order (least recently freed evicted first);
+- free: ``ref_count == 0`` and no hash; handed out before any cached-free block is evicted.
+
+Only computed KV is ever published (``cache_computed_blocks``), so a prefix hit never points at
+a block whose KV is still being written by another sequence's forward.
+
+Two tiers (``num_device_blocks < num_blocks``): ids ``[0, num_device_blocks)`` live in the
+device pool, the rest in the host tier (``shared/runtime/kv_tiers.py``). A block is always taken
+from the device first — free, then the least recently freed cached one — and from the host only
+when the device has none, so the host holds the blocks beyond the device pool's share. With one
+tier (the default) this is the plain free-then-evict order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+from shared.runtime.sequence import Sequence
+
+
+def hash_block(prev_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: stable across processes and runs (no PYTHONHASHSEED)."""
+    return hashlib.blake2b(prev_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    """Owns the blocks, the free lists, the hashes and the ref counts. Nothing else touches them.
+
+    Every call costs O(blocks it touches): lookups walk only until the first miss, publishing
+    resumes where the previous call stopped.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_device_blocks: int | None = None,
+    ):
+        """``num_device_blocks``: how many of the ``num_blocks`` are on the device (default: all);
+        the others are the host tier."""
+        num_device = num_blocks if num_device_blocks is None else num_device_blocks
+        if num_blocks <= 0 or block_size <= 0 or not 0 < num_device <= num_blocks:
+            raise ValueError(
+                f"need num_blocks > 0, block_size > 0 and 0 < num_device_blocks <= num_blocks, "
+                f"got {num_blocks}, {block_size}, {num_device}"
+            )
+        self.num_blocks = num_blocks
+        self.num_device_blocks = num_device
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+        # Per tier, device first: the order _take_free_block searches them in.
+        self._free: tuple[deque[int], ...] = (
+            deque(range(num_device)),
+            deque(range(num_device, num_blocks)),
+        )
+        self._evictable: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict())
+        # request_id -> number of leading blocks of that sequence already published.
+        self._num_published_blocks: dict[str, int] = {}
+        self.num_prefix_queries_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # --- accounting ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(map(len, self._free)) + sum(map(len, self._evictable))
+
+    @property
+    def num_host_blocks_used(self) -> int:
+        """Blocks of the host tier in use (0 without one)."""
+        num_host = self.num_blocks - self.num_device_blocks
+        return num_host - len(self._free[1]) - len(self._evictable[1])
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(map(len, self._evictable))
+
+    def tier(self, block_id: int) -> int:
+        """0: the device pool, 1: the host tier."""
+        return int(block_id >= self.num_device_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # --- allocation ---------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        num_revived = sum(1 for b in hits if self._ref_counts[b] == 0)
+        num_new = self.blocks_for(seq.num_tokens) - len(hits)
+        return num_new + num_revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for all ``seq.num_tokens``, sharing cached full blocks of its prefix.
+
+        The hit never covers the last token, so the next forward always has a token to compute
+        and produces logits; the block holding it is recomputed rather than shared, so shared
+        blocks are only ever read.
+        """
+        if seq.block_table:
+            raise ValueError(f"{seq.request_id!r} already holds {len(seq.block_table)} blocks")
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"not enough free KV blocks for {seq.request_id!r}")
+        hits = self._prefix_hits(seq)
+        for block_id in hits:
+            if self._ref_counts[block_id] == 0:
+                del self._evictable[self.tier(block_id)][block_id]
+            self._ref_counts[block_id] += 1
+        num_new = self.blocks_for(seq.num_tokens) - len(hits)
+        seq.block_table = hits + [self._take_free_block() for _ in range(num_new)]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self._num_published_blocks[seq.request_id] = len(hits)
+        self.num_prefix_queries_tokens += seq.num_tokens
+        self.num_prefix_hit_tokens += seq.num_cached_tokens
+
+    def can_allocate_blocks(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= self.num_free_blocks
+
+    def allocate_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Fresh blocks for ``num_tokens`` (receiving side of a KV handoff): no prefix lookup.
+
+        Counters (``num_computed_tokens``) are the caller's: it sets them once the KV has landed.
+        """
+        if seq.block_table:
+            raise ValueError(f"{seq.request_id!r} already holds {len(seq.block_table)} blocks")
+        if not self.can_allocate_blocks(num_tokens):
+            raise RuntimeError(f"not enough free KV blocks for {seq.request_id!r}")
+        self._adopt(seq)
+        seq.block_table = [self._take_free_block() for _ in range(self.blocks_for(num_tokens))]
+        seq.num_cached_tokens = 0
+        self._num_published_blocks[seq.request_id] = 0
+
+    def can_append_slot(self, seq: Sequence) -> bool:
+        missing = self.blocks_for(seq.num_tokens) - len(seq.block_table)
+        return missing <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the token at position ``num_tokens - 1`` (a new block on a boundary)."""
+        missing = self.blocks_for(seq.num_tokens) - len(seq.block_table)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(f"no free KV block to extend {seq.request_id!r}")
+        seq.block_table.extend(self._take_free_block() for _ in range(missing))
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Hashed blocks stay reusable until evicted.
+
+        Released tail-first, so a sequence's last blocks are evicted before its first ones (the
+        head of a prompt is the part other prompts most likely share).
+        """
+        for block_id in reversed(seq.block_table):
+            ref = self._ref_counts[block_id] - 1
+            if ref < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = ref
+            if ref == 0:
+                if self._block_hash[block_id] is None:
+                    self._free[self.tier(block_id)].append(block_id)
+                else:
+                    self._evictable[self.tier(block_id)][block_id] = None
+        seq.block_table = []
+        self._num_published_blocks.pop(seq.request_id, None)
+
+    # --- prefix caching -----------------------------------------------------------------------
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the hashes of ``seq``'s full blocks whose KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = self._num_published_blocks.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes_upto(seq, num_full)
+        for i in range(start, num_full):
+            block_id, block_hash = seq.block_table[i], hashes[i]
+            # Already published (it was a prefix hit), or the same content was computed twice
+            # concurrently: the first published copy stays the one lookups find.
+            if self._block_hash[block_id] is None and block_hash not in self._hash_to_block:
+                self._block_hash[block_id] = block_hash
+                self._hash_to_block[block_hash] = block_id
+        self._num_published_blocks[seq.request_id] = num_full
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        self._adopt(seq)
+        bs = self.block_size
+        max_hits = (seq.num_tokens - 1) // bs
+        hashes, token_ids, hits = seq.block_hashes, seq.token_ids, []
+        for i in range(max_hits):
+            if i == len(hashes):
+                prev = hashes[-1] if hashes else b""
+                hashes.append(hash_block(prev, token_ids[i * bs : (i + 1) * bs]))
+            block_id = self._hash_to_block.get(hashes[i])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        self._adopt(seq)
+        bs, hashes, token_ids = self.block_size, seq.block_hashes, seq.token_ids
+        for i in range(len(hashes), num_blocks):
+            prev = hashes[-1] if hashes else b""
+            hashes.append(hash_block(prev, token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _adopt(self, seq: Sequence) -> None:
+        # A sequence's hashes and num_blocks follow the block size of the manager holding it.
+        if seq.block_size != self.block_size:
+            seq.block_size = self.block_size
+            seq.block_hashes = []
+
+    def _take_free_block(self) -> int:
+        # A cached device block is evicted before a host block is used: the device is where
+        # attention reads without a copy, and the prefix cache keeps its host-tier hits.
+        for free, evictable in zip(self._free, self._evictable, strict=True):
+            if free:
+                block_id = free.popleft()
+                break
+            if evictable:
+                block_id, _ = evictable.popitem(last=False)
+                block_hash = self._block_hash[block_id]
+                assert block_hash is not None
+                del self._hash_to_block[block_hash]
+                self._block_hash[block_id] = None
+                break
+        else:
+            raise RuntimeError("no free KV block")  # callers check num_free_blocks first
+        self._ref_counts[block_id] = 1
+        return block_id

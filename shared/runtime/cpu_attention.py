@@ -1,0 +1,117 @@
+"""CPU decode attention through the C kernel of ``csrc/paged_decode_attention.c``.
+
+Why a C kernel: on CPU a decode step at batch 64 spent ~45% of its time in attention (bench
+model, one thread: index_select of K rows, the scores bmm, embedding_bag over V), all of it
+moving 128-byte rows. The kernel reads each sequence's K and V blocks in place, once, and leaves
+the softmax between its two passes to torch. Same numbers as the torch path up to float
+summation order (tests/runtime/test_cpu_attention.py sweeps shapes against it).
+
+The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
+this CPU (``-march=native``) into a cache directory keyed by the source, the flags, the compiler
+and the CPU, and loaded with ctypes (calls release the GIL). A batch is split across
+``torch.get_num_threads()`` threads (read at each call) that the C code starts itself. No
+compiler, or a failed build: ``load_kernel`` returns None and the torch path serves (one
+warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.native.build import CSRC, load_library, usable_cpus
+
+SOURCE = CSRC / "paged_decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread")
+# Rows of the batch per thread below which splitting costs more than it saves.
+MIN_ROWS_PER_THREAD = 8
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DecodeKernel:
+    """The loaded library: two passes, each splitting the batch on threads of its own (see the
+    C file)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
+        self.path = path
+        self._scores = lib.baton_paged_decode_scores_f32
+        self._scores.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
+        self._scores.restype = None
+        self._values = lib.baton_paged_decode_values_f32
+        self._values.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P]
+        self._values.restype = None
+        self.max_threads = max(1, max_threads)
+
+    def attend(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelBatch, scale: float
+    ) -> torch.Tensor:
+        """q ``[B, Hq, D]`` fp32 -> ``[B, Hq, D]``; ``kv_layer`` ``[2, blocks, bs, Hkv, D]``."""
+        batch, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, pool_dim = kv_layer.shape
+        if q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
+            raise ValueError(f"fp32 only (q {q.dtype}, cache {kv_layer.dtype})")
+        if q.device.type != "cpu" or not kv_layer.is_contiguous():
+            raise ValueError("a contiguous CPU cache is required")
+        if pool_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"q {tuple(q.shape)} does not match the pool {tuple(kv_layer.shape)}")
+        if batch != rows.context_lens.shape[0] or block_size != rows.block_size:
+            raise ValueError("one block table and one context length per query row, same blocks")
+        max_context_len = rows.max_context_len
+        q = q.contiguous()
+        scores = torch.empty(batch, num_heads, max_context_len)
+        out = torch.empty_like(q)
+        tables, lens = rows.block_tables.data_ptr(), rows.context_lens.data_ptr()
+        width = rows.block_tables.shape[1]
+        parts = self.parts(batch)
+        dims = (num_heads, num_kv_heads, head_dim, block_size)
+        self._scores(q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens, batch, parts,
+                     *dims, scale, scores.data_ptr(), max_context_len)  # fmt: skip
+        probs = scores.softmax(-1)
+        self._values(probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens, batch, parts,
+                     *dims, max_context_len, out.data_ptr())  # fmt: skip
+        return out
+
+    def parts(self, batch: int) -> int:
+        """Row ranges a pass splits into: torch's current thread count (up to ``max_threads``),
+        and no range under ``MIN_ROWS_PER_THREAD`` rows."""
+        threads = min(self.max_threads, torch.get_num_threads())
+        return min(threads, max(1, batch // MIN_ROWS_PER_THREAD))
+
+
+@dataclass(frozen=True)
+class KernelBatch:
+    """One step's block tables and context lengths, checked once here (every layer reads them):
+    what the C code assumes and cannot check itself."""
+
+    block_tables: torch.Tensor  # int64 [B, max_blocks], contiguous
+    context_lens: torch.Tensor  # int64 [B], contiguous
+    max_context_len: int  # the scores' width: no context is longer
+    block_size: int
+
+    def __post_init__(self) -> None:
+        tables, lens = self.block_tables, self.context_lens
+        if tables.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError("block tables and context lengths must be int64")
+        if not (tables.is_contiguous() and lens.is_contiguous()):
+            raise ValueError("block tables and context lengths must be contiguous")
+        if lens.dim() != 1 or tables.dim() != 2 or tables.shape[0] != lens.shape[0]:
+            raise ValueError("one block table and one context length per query row")
+        capacity = tables.shape[1] * self.block_size
+        if lens.numel() and int(lens.max()) > min(self.max_context_len, capacity):
+            raise ValueError("a context is longer than the scores width or its block table")
+
+
+def load_kernel(
+    cache_dir: Path | None = None, max_threads: int | None = None
+) -> DecodeKernel | None:
+    """Build (once per machine and source) and load the kernel; None if it cannot be built.
+    ``max_threads``: the most threads a call may split into (default: the cores this process
+    may run on; each call uses at most ``torch.get_num_threads()`` of them)."""
+    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="the torch path")
+    if loaded is None:
+        return None
+    return DecodeKernel(*loaded, usable_cpus() if max_threads is None else max_threads)

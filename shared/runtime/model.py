@@ -1,0 +1,199 @@
+"""The decoder (Llama / Mistral / Qwen2 / Qwen3) over flat token batches.
+
+Inputs are flat: ``input_ids [T]`` and ``positions [T]`` hold every sequence's new tokens back to
+back, with no padding; the attention metadata says which tokens belong to which sequence. The
+arithmetic mirrors transformers op for op (RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP)
+so greedy outputs match it token for token in fp32; q/k/v and gate/up are fused into one matmul
+each at load time.
+
+The modules only hold the weights (their names are the checkpoint's, see loader.py); the forward
+is one flat loop of functional ops over them. At a decode step of a small model every op is a
+few microseconds, so module dispatch, dtype round trips and per-layer RoPE set-up would cost as
+much as the arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.native.mkl_pack import PackedWeight
+from shared.runtime.attention import AttentionMetadata, attention
+from shared.runtime.cpu_rope import RopeKernel
+from shared.runtime.model_config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale. ``torch.rms_norm``
+    without a weight is the same pow / mean / rsqrt chain (bit-identical in fp32); the casts are
+    no-ops in fp32."""
+    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and sign-folded ``sin`` ``[T, 1, D]`` for :func:`apply_rope`, once per forward.
+
+    Computed as transformers does (fp32 outer product, ``cat(freqs, freqs)``, then cos/sin), so
+    the values are its bits. ``sin``'s first half is negated: ``rotate_half(x) * sin`` equals
+    ``swap_halves(x) * cat(-sin1, sin2)`` exactly (a sign flip commutes with rounding)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    half = freqs.shape[-1]
+    sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` over ``x [T, H, D]`` (``sin`` from
+    :func:`rope_tables`): the same products and sum as transformers, one op fewer."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
+
+
+# Rows from which a packed weight beats MKL's GEMV on the plain one (linear_layout.py).
+PACKED_MIN_ROWS = 4
+
+
+class Projection(nn.Linear):
+    """``nn.Linear`` whose weight may also be held packed for MKL (linear_layout.py):
+    :meth:`project` is ``F.linear`` either way, up to the last bits."""
+
+    packed: PackedWeight | None = None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS:
+            return self.packed.linear(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    # RoPE in place through C (cpu_rope.py, bit-identical to apply_rope); set by the runner on CPU.
+    rope_kernel: RopeKernel | None = None
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Projection(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = Projection(self.q_size, cfg.hidden_size, cfg.o_bias)
+        # Qwen3 normalises each head of q and k before RoPE; the others do not.
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj.project(x)
+        # q and k sit side by side in qkv: one RoPE over both heads' views.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.qk_norm:
+            qk[:, : self.num_heads] = self.q_norm.forward(qk[:, : self.num_heads])
+            qk[:, self.num_heads :] = self.k_norm.forward(qk[:, self.num_heads :])
+        # In place where the kernel takes it (qkv is this forward's own buffer), checked once.
+        if self.rope_kernel is None or not self.rope_kernel.rotate(qk, cos, sin):
+            qk = apply_rope(qk, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta)
+        return self.o_proj.project(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.project(x).chunk(2, dim=-1)
+        return self.down_proj.project(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Residual adds in place: ``hidden`` is this forward's own activation buffer."""
+        x = self.input_layernorm.forward(hidden)
+        hidden += self.self_attn.forward(x, cos, sin, kv_layer, meta)
+        hidden += self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+        return hidden
+
+
+class CausalLM(nn.Module):
+    inv_freq: torch.Tensor  # fp32 RoPE frequencies (a non-persistent buffer)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of every new token; writes their KV into ``kv_cache``."""
+        weight = self.embed_tokens.weight
+        cos, sin = rope_tables(positions, self.inv_freq, weight.dtype)
+        hidden = F.embedding(input_ids, weight)
+        for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
+            hidden = layer.forward(hidden, cos, sin, kv_layer, meta)
+        return hidden
+
+    def use_rope_kernel(self, kernel: RopeKernel | None) -> None:
+        """Every attention layer's RoPE through ``kernel`` where it takes the inputs."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.rope_kernel = kernel
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the rows given (only the tokens that sample). Norm is row-wise, so
+        normalising just these rows equals normalising all and selecting after."""
+        return self.lm_head.project(self.norm.forward(hidden)).float()

@@ -1,0 +1,312 @@
+"""ModelRunner: owns the model, the paged KV cache and the sampler; one call = one forward.
+
+Each call turns the scheduled sequences into flat tensors once (input_ids, positions,
+slot_mapping, attention metadata, logits indices), runs the model under ``inference_mode`` and
+samples. It reads the sequences but never mutates them: advancing ``num_computed_tokens``,
+appending tokens and publishing prefix blocks is the caller's (scheduler's) job.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import cast
+
+import structlog
+import torch
+
+from shared.config import BatonConfig
+from shared.limits import Limits
+from shared.native import mkl_dispatch
+from shared.runtime.attention import AttentionMetadata, select_backend
+from shared.runtime.cpu_argmax import load_argmax
+from shared.runtime.cpu_rope import load_rope
+from shared.runtime.kv_codec import make_kv_codec
+from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
+from shared.runtime.linear_layout import prepare_projections
+from shared.runtime.loader import load_model, parse_dtype
+from shared.runtime.model_config import ModelConfig
+from shared.runtime.sampler import Sampler
+from shared.runtime.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+KVCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: BatonConfig,
+        model_dir: Path | None = None,
+        allocate_kv_cache: KVCacheAllocator | None = None,
+        kv_host_cache_bytes: int = 0,
+    ):
+        """``allocate_kv_cache``: where the cache lives when a KV connector must own its memory
+        (a pooled transport exports it to the receiver); it returns None to leave it to us.
+        ``kv_host_cache_bytes``: a host tier of that size beside the device pool (kv_tiers.py)."""
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        self.block_size = config.block_size
+        model_dir = Path(model_dir or config.model_dir)
+        # Everything that can refuse this model is checked before its weights are read.
+        cfg = ModelConfig.from_dir(model_dir)
+        self.kv_codec = make_kv_codec(config.kv_cache_dtype)
+        kv_dtype = self.kv_codec.cache_dtype(self.dtype)
+        row_width = self.kv_codec.row_width(cfg.head_dim)
+        self.block_bytes = (
+            cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * row_width * kv_dtype.itemsize
+        )
+        if config.num_kv_blocks > 0:
+            num_on_device = config.num_kv_blocks
+        else:
+            num_on_device = (config.kv_cache_mb << 20) // self.block_bytes
+        if num_on_device <= 0:
+            raise ValueError(
+                f"kv_cache_mb={config.kv_cache_mb} holds no block of {self.block_bytes} bytes"
+            )
+        max_len = min(config.max_model_len, cfg.max_position_embeddings)
+        self.tiers = TierLayout.plan(
+            num_on_device,
+            kv_host_cache_bytes // self.block_bytes,
+            -(-max_len // self.block_size),
+        )
+        # The block manager's blocks: the device pool and the host tier (staging is neither).
+        self.num_kv_blocks = self.tiers.num_blocks
+        if self.tiers.num_host_blocks and self.max_seq_tokens < max_len:
+            log.warning(
+                "host KV tier: staging takes at most half the device's blocks, so sequences are "
+                "cut to what it holds; raise kv_cache_mb to serve max_model_len",
+                max_model_len=max_len,
+                max_seq_tokens=self.max_seq_tokens,
+            )
+        check_sliding_window(cfg, config, self.max_seq_tokens)
+        self.model_config: ModelConfig
+        self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
+        kv_shape = (
+            cfg.num_layers,
+            2,
+            num_on_device,
+            self.block_size,
+            cfg.num_kv_heads,
+            row_width,
+        )
+        # The small C kernels (RoPE, greedy argmax; attention in select_backend): CPU, and not
+        # turned off by BATON_CPU_ATTENTION=torch.
+        c_kernels = self.device.type == "cpu" and config.cpu_attention == "auto"
+        if self.device.type == "cpu":
+            # A CPU decode step is bound by streaming weights and KV from memory.
+            num_packed = prepare_projections(self.model)
+            log.info("projections transposed", packed_for_mkl=num_packed)
+            if c_kernels and self.dtype == torch.float32:
+                self.model.use_rope_kernel(load_rope())
+        shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
+        if shared is not None:
+            self.kv_cache = shared  # zeroed by its owner
+        elif self.device.type == "cpu":
+            self.kv_cache = _zeros_on_huge_pages(kv_shape, kv_dtype)
+        else:
+            self.kv_cache = torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
+        self.host_tier = (
+            HostKVTier(self.kv_cache, self.tiers) if self.tiers.num_host_blocks else None
+        )
+        self.attn_backend = select_backend(
+            self.device,
+            num_on_device,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim**-0.5,
+            self.kv_codec,
+            self.dtype,
+            config.cpu_attention,
+            cfg.head_dim,
+        )
+        # Greedy rows through the C argmax (the same indices as torch's).
+        self.sampler = Sampler(load_argmax() if c_kernels else None)
+        log.info(
+            "model runner ready",
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            kv_cache_mb=round(self.kv_cache.numel() * kv_dtype.itemsize / 2**20, 1),
+            kv_cache_dtype=self.kv_codec.name,
+            kv_host_blocks=self.tiers.num_host_blocks,
+            kv_staging_blocks=self.tiers.num_staging_blocks,
+            attention=self.attn_backend.name,
+            mkl_kernels="by features" if mkl_dispatch.preloaded() else "stock",
+        )
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The longest sequence the cache holds (with a host tier: what the staging area holds)."""
+        return self.tiers.max_seq_blocks * self.block_size
+
+    # --- forward passes -----------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+        """Compute tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence.
+
+        Returns a sampled token for each sequence whose chunk reaches its ``num_tokens`` (the
+        prompt is complete), ``None`` for one that stopped mid-prompt (chunked prefill).
+        """
+        if len(seqs) != len(num_new_tokens) or not seqs:
+            raise ValueError("prefill needs one positive token count per sequence")
+        spans = [
+            (s.num_computed_tokens, s.num_computed_tokens + n)
+            for s, n in zip(seqs, num_new_tokens, strict=True)
+        ]
+        return self._through_tiers(
+            seqs,
+            spans,
+            lambda rows, tables: self._prefill(
+                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables
+            ),
+        )
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One token per sequence from its last token (position ``num_tokens - 1``, whose slot
+        the caller has appended)."""
+        if not seqs:
+            return []
+        spans = [(s.num_tokens - 1, s.num_tokens) for s in seqs]
+        tokens = self._through_tiers(
+            seqs, spans, lambda rows, tables: self._decode([seqs[r] for r in rows], tables)
+        )
+        return cast(list[int], tokens)  # every row of a decode forward samples
+
+    def _through_tiers(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        forward: Callable[[list[int], list[list[int]]], Iterable[int | None]],
+    ) -> list[int | None]:
+        """Run ``forward(rows, block_tables)``: once over the sequences' own tables, or, when
+        some hold host blocks, once per group of rows whose host blocks fit the staging area,
+        through staged tables, writing the blocks each group extended (``spans``) back."""
+        tables = [s.block_table for s in seqs]
+        tier = self.host_tier
+        if tier is None or not any(tier.holds_host(t) for t in tables):
+            return list(forward(list(range(len(seqs))), tables))
+        out: list[int | None] = [None] * len(seqs)
+        for rows in tier.split(tables):
+            staged = tier.stage([tables[r] for r in rows])
+            results = forward(rows, staged.tables)
+            written: set[int] = set()
+            for r in rows:
+                written |= written_blocks(tables[r], *spans[r], self.block_size)
+            tier.write_back(staged, written)
+            for r, token in zip(rows, results, strict=True):
+                out[r] = token
+        return out
+
+    def _prefill(
+        self, seqs: list[Sequence], num_new_tokens: list[int], tables: list[list[int]]
+    ) -> list[int | None]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled_rows: list[int] = []
+        for i, (seq, n, table) in enumerate(zip(seqs, num_new_tokens, tables, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if n <= 0 or end > seq.num_tokens:
+                raise ValueError(f"{seq.request_id!r}: cannot compute tokens {start}..{end}")
+            if len(table) * bs < end:
+                raise ValueError(f"{seq.request_id!r}: blocks for {end} tokens not allocated")
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            _extend_slots(slot_mapping, table, start, end, bs)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sampled_rows.append(i)
+        meta = self.attn_backend.prefill_metadata(
+            slot_mapping, tables, num_new_tokens, context_lens
+        )
+        sampled = self._run(
+            input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
+        )
+        out: list[int | None] = [None] * len(seqs)
+        for row, token in zip(sampled_rows, sampled, strict=True):
+            out[row] = token
+        return out
+
+    def _decode(self, seqs: list[Sequence], tables: list[list[int]]) -> list[int]:
+        bs = self.block_size
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        context_lens = [p + 1 for p in positions]
+        meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens)
+        input_ids = [seq.token_ids[-1] for seq in seqs]
+        return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs)
+
+    @torch.inference_mode()
+    def _run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        meta: AttentionMetadata,
+        logits_indices: list[int],
+        sample_seqs: list[Sequence],
+    ) -> list[int]:
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache,
+            meta,
+        )
+        if not logits_indices:
+            return []
+        if len(logits_indices) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(logits_indices, dtype=torch.int64, device=dev)]
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(
+            logits, [s.sampling for s in sample_seqs], [s.num_tokens for s in sample_seqs]
+        )
+
+
+def check_sliding_window(cfg: ModelConfig, config: BatonConfig, num_cache_tokens: int) -> None:
+    """Refuse a sliding-window model whose sequences could outgrow the window.
+
+    The engine computes full attention; that equals sliding-window attention exactly while every
+    key a query sees lies inside its window, which holds for every sequence when
+    ``max_model_len <= sliding_window`` (max_model_len as the engines apply it: ``Limits``).
+    """
+    window = cfg.sliding_window
+    if window is None:
+        return
+    max_model_len = Limits.build(
+        config, cfg.max_position_embeddings, num_cache_tokens
+    ).max_model_len
+    if max_model_len > window:
+        raise ValueError(
+            f"the model uses sliding-window attention (sliding_window={window}) and Baton "
+            f"computes full attention, which is exact only for sequences up to the window; "
+            f"max_model_len here is {max_model_len}: set BATON_MAX_MODEL_LEN<={window}"
+        )
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on anonymous memory advised for transparent huge pages.
+
+    A decode step reads every running sequence's KV (tens of MB, scattered by block): with
+    4 KiB pages the TLB misses cost about a third of that read. The pages are touched here, as
+    torch.zeros would, so the memory is committed at start-up rather than faulted in while
+    serving. The tensor keeps the mapping alive.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; elsewhere plain pages
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape).zero_()
+
+
+def _extend_slots(out: list[int], block_table: list[int], start: int, end: int, bs: int) -> None:
+    """Append the cache slots of positions ``start..end-1``: one range per block touched."""
+    for b in range(start // bs, (end - 1) // bs + 1):
+        base = block_table[b] * bs - b * bs
+        out.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))

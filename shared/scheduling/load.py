@@ -1,0 +1,19 @@
+"""What an engine reports of its state after every step: the scheduling policy's input (it sits
+here, below the engine, so that the policy reads it without importing the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's state after a step, forward or not (blocks also come back without one: a
+    pooled sender's pins released, a request aborted or expired)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_blocks: int = 0
+    num_free_blocks: int = 0
+    num_host_blocks_used: int = 0  # of the used blocks, those in the host tier
+    num_staged_blocks: int = 0  # host tier -> device pool copies since start (cumulative)

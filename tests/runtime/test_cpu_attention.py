@@ -1,0 +1,174 @@
+"""The C decode attention (shared/runtime/cpu_attention.py) against the fp64 reference and the
+torch path, over head sizes (specialised and generic), groups, block sizes and context lengths;
+its thread split, its input checks, its build cache and its fallback."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.native.build import build_library
+from shared.runtime import attention
+from shared.runtime.attention import (
+    CpuKernelDecodeMetadata,
+    TorchAttentionBackend,
+    TorchDecodeMetadata,
+    select_backend,
+)
+from shared.runtime.cpu_attention import FLAGS, SOURCE, DecodeKernel, KernelBatch, load_kernel
+from tests.runtime.helpers import built_or_skip, torch_threads
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
+    loaded = load_kernel(tmp_path_factory.mktemp("kernels"), max_threads=1)
+    return built_or_skip(loaded, "the torch path")
+
+
+Case = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[int], list[int]
+]
+
+
+def _case(
+    batch: int, num_heads: int, num_kv_heads: int, head_dim: int, bs: int, max_len: int, seed: int
+) -> Case:
+    """Lengths: one token, one block, one past it, the longest, then random; each sequence's
+    blocks scattered over the pool, some tables longer than their context needs."""
+    rng = random.Random(seed)
+    lens = ([1, bs, bs + 1, max_len] + [rng.randint(1, max_len) for _ in range(batch)])[:batch]
+    needs = [-(-n // bs) + rng.randint(0, 1) for n in lens]
+    ids = list(range(1, sum(needs) + 1))
+    rng.shuffle(ids)
+    tables = [ids[sum(needs[:i]) : sum(needs[: i + 1])] for i in range(batch)]
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(2, len(ids) + 1, bs, num_kv_heads, head_dim, generator=g)
+    q = torch.randn(batch, num_heads, head_dim, generator=g)
+    k = torch.randn(batch, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(batch, num_kv_heads, head_dim, generator=g)
+    slots = [bt[(n - 1) // bs] * bs + (n - 1) % bs for bt, n in zip(tables, lens, strict=True)]
+    return pool, q, k, v, tables, lens, slots
+
+
+def reference(
+    q: torch.Tensor, pool: torch.Tensor, tables: list[list[int]], lens: list[int], scale: float
+) -> torch.Tensor:
+    """fp64 softmax attention of each query over its sequence's first ``n`` cached tokens."""
+    bs, group = pool.shape[2], q.shape[1] // pool.shape[-2]
+    out = []
+    for i, (bt, n) in enumerate(zip(tables, lens, strict=True)):
+        slots = [bt[p // bs] * bs + p % bs for p in range(n)]
+        k = pool[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        v = pool[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,nhd->hn", q[i].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", probs, v))
+    return torch.stack(out)
+
+
+def _tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "bs"),
+    [
+        (8, 4, 32, 16),  # the bench model
+        (4, 4, 64, 16),  # no grouping
+        (8, 1, 128, 16),  # one KV head (MQA)
+        (4, 2, 16, 16),  # the tiny model: generic head size
+        (6, 2, 80, 8),  # generic size, group 3, small blocks
+        (2, 2, 32, 32),  # large blocks
+        (4, 2, 24, 16),  # not a multiple of 16: the scalar scores loop
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_the_reference_and_the_torch_path(
+    kernel: DecodeKernel, num_heads: int, num_kv_heads: int, head_dim: int, bs: int, seed: int
+) -> None:
+    pool, q, k, v, tables, lens, slots = _case(7, num_heads, num_kv_heads, head_dim, bs, 70, seed)
+    num_blocks = pool.shape[1]
+    torch_be = TorchAttentionBackend(num_blocks, bs, num_kv_heads, head_dim**-0.5, CPU)
+    c_be = TorchAttentionBackend(
+        num_blocks, bs, num_kv_heads, head_dim**-0.5, CPU, decode_kernel=kernel
+    )
+    meta = c_be.decode_metadata(slots, tables, lens)
+    assert isinstance(meta, CpuKernelDecodeMetadata)
+    pool_c = pool.clone()
+    got = meta.forward(q, k, v, pool_c)
+    want_torch = torch_be.decode_metadata(slots, tables, lens).forward(q, k, v, pool)
+    assert torch.equal(pool_c, pool)  # the new token's K/V stored the same way
+    torch.testing.assert_close(got, want_torch, atol=2e-6, rtol=2e-5)
+    want = reference(q, pool, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_split_across_threads_gives_the_same_numbers(tmp_path: Path) -> None:
+    one, four = load_kernel(tmp_path, max_threads=1), load_kernel(tmp_path, max_threads=4)
+    if one is None or four is None:
+        pytest.skip("no C compiler")
+    pool, q, _, _, tables, lens, _ = _case(37, 8, 4, 32, 16, 90, seed=3)
+    bt = _tables(tables)
+    cl = torch.tensor(lens)
+    rows = KernelBatch(bt, cl, max(lens), pool.shape[2])
+    with torch_threads(4):  # a call splits into torch's thread count, up to its maximum
+        a = one.attend(q, pool, rows, 0.2)
+        b = four.attend(q, pool, rows, 0.2)
+        assert (one.parts(37), four.parts(37), four.parts(31)) == (1, 4, 3)
+    with torch_threads(2):  # fewer threads now (an engine gave back borrowed cores)
+        assert four.parts(37) == 2
+    assert torch.equal(a, b)  # each row is computed the same way whichever thread runs it
+
+
+def test_inputs_it_cannot_read_are_refused(kernel: DecodeKernel) -> None:
+    pool, q, _, _, tables, lens, _ = _case(5, 4, 2, 32, 16, 40, seed=0)
+    bt = _tables(tables)
+    cl = torch.tensor(lens)
+    with pytest.raises(ValueError, match="fp32"):
+        kernel.attend(q.double(), pool, KernelBatch(bt, cl, max(lens), 16), 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        KernelBatch(bt.int(), cl, max(lens), 16)
+    with pytest.raises(ValueError, match="longer"):
+        KernelBatch(bt, cl, max(lens) - 1, 16)
+    with pytest.raises(ValueError, match="longer"):
+        KernelBatch(bt[:, :1].contiguous(), cl, max(lens), 16)
+    with pytest.raises(ValueError, match="one block table"):
+        KernelBatch(bt[:2], cl, max(lens), 16)
+    with pytest.raises(ValueError, match="one block table"):
+        kernel.attend(q[:2], pool, KernelBatch(bt, cl, max(lens), 16), 1.0)
+
+
+def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
+    first = build_library(SOURCE, FLAGS, tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build_library(SOURCE, FLAGS, tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_without_a_compiler_the_torch_path_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert load_kernel(tmp_path / "cache") is None
+    monkeypatch.setattr(attention, "load_kernel", lambda: None)  # what select_backend calls
+    backend = select_backend(CPU, 8, 16, 2, 1.0)
+    assert backend.name == "torch"
+    meta = backend.decode_metadata([0], [[0]], [1])
+    assert isinstance(meta, TorchDecodeMetadata)
+
+
+def test_backend_choice() -> None:
+    """fp32 float cache on CPU: the kernel; "torch", another dtype, an int8 cache: torch."""
+    from shared.runtime.kv_codec import make_kv_codec
+
+    assert select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="torch").name == "torch"
+    assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16).name == "torch"
+    int8 = make_kv_codec("int8")
+    assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8).name == "torch"
+    with pytest.raises(ValueError, match="BATON_CPU_ATTENTION"):
+        select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="fast")
