@@ -150,7 +150,7 @@ PYSPY_RULES: tuple[tuple[str, str], ...] = (
     ("publish", r"^\S*publish\S* \("),
     ("wire", r"/shared/wire/|msgpack"),
     ("amqp", r"/(aiormq|aio_pika|pamqp)/"),
-    ("engine", r"/shared/(engine|core|models|kv_transfer)/|/torch/"),
+    ("engine", r"/shared/(engine|runtime|models|kv_transfer)/|/torch/"),
     ("event loop", r"leaf:^Runner\.run \("),
     ("thread pool", r"leaf:^_worker \(.*/concurrent/futures/thread\.py"),
 )
