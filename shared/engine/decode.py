@@ -19,11 +19,9 @@ import time
 
 import structlog
 
-from shared.config import BatonConfig
 from shared.engine.engine import EngineCore
 from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.kv_transfer.connector import KVConnector
-from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
 from shared.wire.messages import KVDescriptor, KVRelease
@@ -35,23 +33,14 @@ class DecodeEngine(EngineCore):
     kind = "decode"
     scheduler: DecodeScheduler
 
-    def __init__(
-        self,
-        config: BatonConfig,
-        runner: ModelRunner,
-        connector: KVConnector,
-        spill: KVConnector | None = None,
-    ) -> None:
-        """``spill``: where preempted sequences' KV goes (swap); None: preemption recomputes."""
-        super().__init__(config, runner, connector, spill)
+    def _setup(self) -> DecodeScheduler:
+        # ``spill``: where preempted sequences' KV goes (swap); None: preemption recomputes.
         self._swapped: dict[str, KVDescriptor] = {}  # swapped out this step, not yet handed on
         self.num_swaps_in = 0
         self._kv: dict[str, KVDescriptor] = {}  # not yet loaded, by request id
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
-        self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
+        self._reclaim_interval_s = max(1.0, self.config.spill_orphan_timeout_s / 4)
         self._last_reclaim = time.time()
-
-    def _make_scheduler(self) -> DecodeScheduler:
         c = self.config
         return DecodeScheduler(
             self.block_manager,

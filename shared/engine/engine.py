@@ -78,7 +78,7 @@ class EngineCore(ABC):
         # The waiting queue's order (effective priority: aging; prefill also boosts short
         # prompts while its backlog is deep), and the priority each handoff leaves with.
         self.priorities = Prioritizer(config, short_boost=self.kind == "prefill")
-        self.scheduler = self._make_scheduler()
+        self.scheduler = self._setup()
         self.requests: dict[str, Sequence] = {}  # every request this engine owns, by id
         self._deadlines: dict[str, float] = {}
         self._aborted = ExpiringIdSet()
@@ -95,8 +95,9 @@ class EngineCore(ABC):
         )
 
     @abstractmethod
-    def _make_scheduler(self) -> SchedulerBase:
-        """This engine's scheduler over ``block_manager``, ordered by ``priorities``."""
+    def _setup(self) -> SchedulerBase:
+        """This engine's own state, and its scheduler over ``block_manager`` ordered by
+        ``priorities`` (called once, by ``__init__``, after everything above)."""
 
     # --- verbs ----------------------------------------------------------------------------------
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:

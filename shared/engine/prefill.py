@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import time
 
-from shared.config import BatonConfig
 from shared.engine.engine import EngineCore
 from shared.engine.outputs import KVTransferStat, NewRequest, StepOutput, TokenOutput
-from shared.kv_transfer.connector import KVConnector
-from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillScheduler
 from shared.wire.messages import KVRelease
@@ -29,18 +26,9 @@ class PrefillEngine(EngineCore):
     kind = "prefill"
     scheduler: PrefillScheduler
 
-    def __init__(
-        self,
-        config: BatonConfig,
-        runner: ModelRunner,
-        connector: KVConnector,
-        spill: KVConnector | None = None,
-    ) -> None:
-        super().__init__(config, runner, connector, spill)
+    def _setup(self) -> PrefillScheduler:
         # Sent to a connector, blocks not yet freed: request id -> its sequence.
         self._handed_off: dict[str, Sequence] = {}
-
-    def _make_scheduler(self) -> PrefillScheduler:
         c = self.config
         return PrefillScheduler(
             self.block_manager,
