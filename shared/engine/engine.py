@@ -78,7 +78,6 @@ class EngineCore(ABC):
         # The waiting queue's order (effective priority: aging; prefill also boosts short
         # prompts while its backlog is deep), and the priority each handoff leaves with.
         self.priorities = Prioritizer(config, short_boost=self.kind == "prefill")
-        self.scheduler = self._setup()
         self.requests: dict[str, Sequence] = {}  # every request this engine owns, by id
         self._deadlines: dict[str, float] = {}
         self._aborted = ExpiringIdSet()
@@ -93,11 +92,12 @@ class EngineCore(ABC):
             release_route=connector.release_route,
             spill_store=self._store is not None,
         )
+        self.scheduler = self._setup()
 
     @abstractmethod
     def _setup(self) -> SchedulerBase:
         """This engine's own state, and its scheduler over ``block_manager`` ordered by
-        ``priorities`` (called once, by ``__init__``, after everything above)."""
+        ``priorities`` (called once, at the end of ``__init__``)."""
 
     # --- verbs ----------------------------------------------------------------------------------
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
