@@ -328,6 +328,35 @@ class _NoQueues:
         return {}
 
 
+class _Depths:
+    """A broker stand-in that records which queues each depth reading asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[object] = []
+
+    async def queue_depths(self, names: object = None) -> dict[str, int]:
+        self.asked.append(None if names is None else tuple(names))  # type: ignore[arg-type]
+        return {"baton.prefill": 3, "baton.decode": 4}
+
+
+async def test_one_poller_feeds_the_policy_before_consuming_and_the_gauges() -> None:
+    """The policy's queues at its interval, the first reading taken by ``start``; with the
+    metrics endpoint on, a reading of every queue (names None) serves both."""
+    policy = ("baton.prefill", "baton.decode")
+    for port, first in ((0, policy), (_free_port(), None)):
+        config = BatonConfig(policy_poll_interval_s=0.01, metrics_port=port)
+        sm, broker, seen = ServiceMetrics(config, "tokenizer"), _Depths(), []
+        poller = Poller(config, broker=broker, metrics=sm)  # type: ignore[arg-type]
+        poller.on_depths(policy, seen.append)
+        await poller.start()
+        assert seen == [{"baton.prefill": 3, "baton.decode": 4}] and broker.asked == [first]
+        await asyncio.sleep(0.1)
+        await poller.stop()
+        assert len(seen) > 3 and set(broker.asked[1:]) == {policy}  # every queue: each 2 s
+        f = _families(sm.metrics.render().decode())
+        assert _sample(f, "baton:queue_depth", "baton:queue_depth", queue="baton.decode") == 4
+
+
 def _info(**overrides: object) -> EngineInfo:
     base = dict(
         kind="decode", vocab_size=256, max_model_len=64, weight_bytes=0, kv_bytes_per_token=0,

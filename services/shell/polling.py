@@ -44,6 +44,7 @@ class Poller:
         self._on_depths: DepthsListener | None = None
         self._read_spill: Callable[[], int] | None = None
         self._on_spill: SpillListener | None = None
+        self._interval: dict[str, float] = {}  # reading -> seconds between two
         self._due: dict[str, float] = {}  # reading -> when it is next due (monotonic)
         self._task: asyncio.Task[None] | None = None
 
@@ -64,7 +65,17 @@ class Poller:
     async def start(self) -> None:
         """A first reading before the service consumes (its policy never decides blind), then
         the loop. Nothing to read: no loop."""
-        self._due = dict.fromkeys(self._intervals(), time.monotonic())
+        policy_s, served = self.config.policy_poll_interval_s, bool(self.config.metrics_port)
+        wanted = {
+            "policy_depths": (self._on_depths is not None, policy_s),
+            "all_depths": (served, METRICS_INTERVAL_S),
+            "spill": (  # one reading: the policy's turn is the more frequent one
+                self._read_spill is not None and (self._on_spill is not None or served),
+                max(SPILL_MIN_INTERVAL_S, policy_s) if self._on_spill else METRICS_INTERVAL_S,
+            ),
+        }
+        self._interval = {name: every for name, (on, every) in wanted.items() if on}
+        self._due = dict.fromkeys(self._interval, time.monotonic())
         if self._due:
             await self.poll(first=True)
             self._task = asyncio.create_task(self._run())
@@ -74,20 +85,6 @@ class Poller:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-
-    def _intervals(self) -> dict[str, float]:
-        policy_s = self.config.policy_poll_interval_s
-        served = bool(self.config.metrics_port)
-        wanted = {
-            "policy_depths": (self._on_depths is not None, policy_s),
-            "all_depths": (served, METRICS_INTERVAL_S),
-            "policy_spill": (
-                self._read_spill is not None and self._on_spill is not None,
-                max(SPILL_MIN_INTERVAL_S, policy_s),
-            ),
-            "spill": (self._read_spill is not None and served, METRICS_INTERVAL_S),
-        }
-        return {name: interval for name, (on, interval) in wanted.items() if on}
 
     async def _run(self) -> None:
         while True:
@@ -100,10 +97,9 @@ class Poller:
         and fails alone (logged): e.g. the broker reconnecting; its next turn may work."""
         failed = log.warning if first else log.debug
         now = time.monotonic()
-        intervals = self._intervals()
         due = {name for name, at in self._due.items() if at <= now}
         for name in due:
-            self._due[name] = now + intervals[name]
+            self._due[name] = now + self._interval[name]
         if due & {"policy_depths", "all_depths"}:
             # Every queue when the gauges want them; that reading serves the policy too.
             names = None if "all_depths" in due else self._policy_queues
@@ -115,8 +111,7 @@ class Poller:
                 self.metrics.set_queue_depths(depths)
                 if self._on_depths is not None:
                     self._on_depths(depths)
-                    self._due["policy_depths"] = now + intervals["policy_depths"]
-        if due & {"policy_spill", "spill"} and self._read_spill is not None:
+        if "spill" in due and self._read_spill is not None:
             try:
                 used = await asyncio.to_thread(self._read_spill)
             except Exception as exc:
@@ -125,4 +120,3 @@ class Poller:
                 self.metrics.set_spill_store_bytes(used)
                 if self._on_spill is not None:
                     self._on_spill(used)
-                    self._due["policy_spill"] = now + intervals["policy_spill"]
