@@ -1,10 +1,14 @@
 """The length rules, derived once, and the one stop rule.
 
 ``Limits`` is built once per process from :class:`BatonConfig` and the model's
-``max_position_embeddings`` — and, in an engine, from its KV cache's capacity — so the tokenizer,
-prefill and decode apply the same arithmetic instead of four checks against four bounds.
-``max_tokens`` is clamped at admission so that ``check_stop`` needs no length case of its own:
-a sequence that reaches its (clamped) ``max_tokens`` ends with ``length``.
+``max_position_embeddings`` — and, in an engine, from its KV cache's capacity (the runner builds
+it) — so the tokenizer, the gateway, prefill and decode apply the same arithmetic.
+
+``max_tokens`` is clamped once, by the tokenizer (``Limits.clamp``), to what fits after the
+prompt; engines trust it. An engine's own bound still holds whatever a message asks: it refuses a
+sequence that cannot take another step (``Limits.fits``) and :class:`StopRule` ends a sequence
+that reaches its ``max_model_len`` — so a handoff from a worker with a larger cache, a replay or a
+hand-made internal message never grows a sequence past what this engine holds.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from shared.wire.sampling import SamplingParams
 class Limits:
     max_model_len: int  # longest sequence (prompt + output) this process serves
     max_prompt_tokens: int  # longest prompt: always leaves room for one output token
-    max_tokens: int  # largest ``max_tokens`` a request may ask for (validation bound)
 
     @classmethod
     def build(
@@ -39,12 +42,11 @@ class Limits:
         return cls(
             max_model_len=max_model_len,
             max_prompt_tokens=min(config.max_prompt_tokens, max_model_len - 1),
-            max_tokens=config.max_tokens_limit,
         )
 
     @classmethod
     def for_model_dir(cls, config: BatonConfig, model_dir: Path) -> Limits:
-        """For processes without the model loaded (the tokenizer): reads ``config.json`` only."""
+        """For processes without the model loaded (tokenizer, gateway): reads ``config.json``."""
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         return cls.build(config, int(raw.get("max_position_embeddings", config.max_model_len)))
 
@@ -60,12 +62,21 @@ class Limits:
         return replace(sampling, max_tokens=room)
 
 
-def check_stop(
-    token_id: int, num_output_tokens: int, sampling: SamplingParams, eos_token_ids: frozenset[int]
-) -> str | None:
-    """The finish reason after ``token_id`` became output token number ``num_output_tokens``."""
-    if token_id in eos_token_ids and not sampling.ignore_eos:
-        return "stop"
-    if num_output_tokens >= sampling.max_tokens:
-        return "length"
-    return None
+@dataclass(frozen=True)
+class StopRule:
+    """Whether a sequence ends with its newest token: EOS (unless ``ignore_eos``) → ``stop``;
+    ``max_tokens`` reached, or the engine's ``max_model_len`` → ``length``."""
+
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    def __call__(
+        self, token_id: int, num_tokens: int, num_output_tokens: int, sampling: SamplingParams
+    ) -> str | None:
+        """The finish reason once ``token_id`` became output token number ``num_output_tokens``
+        and the sequence holds ``num_tokens`` (prompt and output)."""
+        if token_id in self.eos_token_ids and not sampling.ignore_eos:
+            return "stop"
+        if num_output_tokens >= sampling.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None

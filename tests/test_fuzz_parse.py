@@ -19,7 +19,8 @@ from loadtest.fuzz_cases import materialize
 from loadtest.fuzz_strategies import KNOWN_FIELDS, Bounds, Draft, drafts, junk
 from shared.config import BatonConfig
 from shared.wire.errors import ErrorCode, ProtocolError
-from shared.wire.messages import MAX_PRIORITY, RequestMsg, unpack
+from shared.wire.messages import RequestMsg, unpack
+from shared.wire.priority import MAX_PRIORITY
 from shared.wire.validation import parse_request
 
 CONFIG = BatonConfig()

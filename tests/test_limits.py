@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import BatonConfig
-from shared.limits import Limits, check_stop
+from shared.limits import Limits, StopRule
 from shared.wire.sampling import SamplingParams
 
 EOS = frozenset({2, 0})
@@ -16,7 +16,7 @@ EOS = frozenset({2, 0})
 
 def test_max_model_len_is_the_smallest_bound() -> None:
     config = BatonConfig(max_model_len=2048, max_prompt_tokens=1536, max_tokens_limit=4096)
-    assert Limits.build(config, 4096) == Limits(2048, 1536, 4096)
+    assert Limits.build(config, 4096) == Limits(2048, 1536)
     assert Limits.build(config, 1024).max_model_len == 1024  # the model's positions
     cache = Limits.build(config, 4096, num_cache_tokens=64)  # the engine's KV cache
     assert (cache.max_model_len, cache.max_prompt_tokens) == (64, 63)  # room for one output
@@ -25,12 +25,12 @@ def test_max_model_len_is_the_smallest_bound() -> None:
 
 
 def test_fits_leaves_room_for_one_more_token() -> None:
-    limits = Limits(max_model_len=64, max_prompt_tokens=63, max_tokens=100)
+    limits = Limits(max_model_len=64, max_prompt_tokens=63)
     assert limits.fits(63) and not limits.fits(64)
 
 
 def test_clamp_cuts_max_tokens_to_what_fits_after_the_prompt() -> None:
-    limits = Limits(max_model_len=64, max_prompt_tokens=63, max_tokens=100)
+    limits = Limits(max_model_len=64, max_prompt_tokens=63)
     asked = SamplingParams(max_tokens=50, temperature=0.5, seed=3)
     assert limits.clamp(asked, 10) is asked  # fits: the very same object
     clamped = limits.clamp(asked, 40)
@@ -39,15 +39,25 @@ def test_clamp_cuts_max_tokens_to_what_fits_after_the_prompt() -> None:
     assert limits.clamp(asked, 80).max_tokens == 1  # never below one
 
 
-def test_check_stop_eos_first_then_length() -> None:
+def test_stop_rule_eos_first_then_length() -> None:
+    stop = StopRule(EOS, max_model_len=64)
     params = SamplingParams(max_tokens=3)
-    assert check_stop(7, 1, params, EOS) is None
-    assert check_stop(2, 1, params, EOS) == "stop"
-    assert check_stop(0, 3, params, EOS) == "stop"  # EOS wins over length on the last token
-    assert check_stop(7, 3, params, EOS) == "length"
+    assert stop(7, 11, 1, params) is None
+    assert stop(2, 11, 1, params) == "stop"
+    assert stop(0, 13, 3, params) == "stop"  # EOS wins over length on the last token
+    assert stop(7, 13, 3, params) == "length"
     ignoring = SamplingParams(max_tokens=3, ignore_eos=True)
-    assert check_stop(2, 1, ignoring, EOS) is None
-    assert check_stop(2, 3, ignoring, EOS) == "length"
+    assert stop(2, 11, 1, ignoring) is None
+    assert stop(2, 13, 3, ignoring) == "length"
+
+
+def test_stop_rule_ends_at_max_model_len_whatever_max_tokens_asks() -> None:
+    """Engines trust the tokenizer's clamp, yet never grow a sequence past their own length."""
+    stop = StopRule(EOS, max_model_len=64)
+    asked = SamplingParams(max_tokens=100)
+    assert stop(7, 63, 23, asked) is None
+    assert stop(7, 64, 24, asked) == "length"
+    assert stop(0, 64, 24, asked) == "stop"
 
 
 def test_for_model_dir_reads_only_the_config(tmp_path: Path) -> None:

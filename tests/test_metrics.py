@@ -9,9 +9,10 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.shell.polling import Poller
 from services.shell.service_metrics import ServiceMetrics
 from shared.config import BatonConfig
-from shared.engine.outputs import KVTransferStat, StepStats
+from shared.engine.outputs import EngineInfo, KVTransferStat, StepStats
 from shared.observability.http_server import MAX_LINE_BYTES, start_metrics_server
 from shared.observability.metrics import Metrics
 from shared.scheduling.load import EngineLoad
@@ -279,7 +280,7 @@ def test_engine_step_facts_feed_the_metrics() -> None:
     """What prefill and decode feed, from StepStats, EngineLoad and KVTransferStat (running
     totals become counter increments, so a step reported twice in a row counts once)."""
     sm = ServiceMetrics(BatonConfig(max_num_seqs=8), "decode")
-    sm.set_decode_costs(weight_bytes=1000, kv_bytes_per_token=10)
+    sm.set_engine(_info(weight_bytes=1000, kv_bytes_per_token=10))
     sm.on_step(_stats())
     sm.on_step(_stats(prefix_queries_total=96, prefix_hits_total=32, preemptions_total=2))
     sm.on_transfer(KVTransferStat("shm", 4096, 0.002))
@@ -320,11 +321,58 @@ def test_prefill_utilization_is_against_the_token_budget() -> None:
     assert _sample(f, bandwidth, bandwidth) == 0  # a decode figure: prefill never sets it
 
 
+class _NoQueues:
+    """A broker stand-in for the poller's depth readings (this test is about the spill store)."""
+
+    async def queue_depths(self, names: object = None) -> dict[str, int]:
+        return {}
+
+
+class _Depths:
+    """A broker stand-in that records which queues each depth reading asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[object] = []
+
+    async def queue_depths(self, names: object = None) -> dict[str, int]:
+        self.asked.append(None if names is None else tuple(names))  # type: ignore[arg-type]
+        return {"baton.prefill": 3, "baton.decode": 4}
+
+
+async def test_one_poller_feeds_the_policy_before_consuming_and_the_gauges() -> None:
+    """The policy's queues at its interval, the first reading taken by ``start``; with the
+    metrics endpoint on, a reading of every queue (names None) serves both."""
+    policy = ("baton.prefill", "baton.decode")
+    for port, first in ((0, policy), (_free_port(), None)):
+        config = BatonConfig(policy_poll_interval_s=0.01, metrics_port=port)
+        sm, broker, seen = ServiceMetrics(config, "tokenizer"), _Depths(), []
+        poller = Poller(config, broker=broker, metrics=sm)  # type: ignore[arg-type]
+        poller.on_depths(policy, seen.append)
+        await poller.start()
+        assert seen == [{"baton.prefill": 3, "baton.decode": 4}] and broker.asked == [first]
+        await asyncio.sleep(0.1)
+        await poller.stop()
+        assert len(seen) > 3 and set(broker.asked[1:]) == {policy}  # every queue: each 2 s
+        f = _families(sm.metrics.render().decode())
+        assert _sample(f, "baton:queue_depth", "baton:queue_depth", queue="baton.decode") == 4
+
+
+def _info(**overrides: object) -> EngineInfo:
+    base = dict(
+        kind="decode", vocab_size=256, max_model_len=64, weight_bytes=0, kv_bytes_per_token=0,
+        release_route=None, spill_store=False,
+    )  # fmt: skip
+    return EngineInfo(**{**base, **overrides})  # type: ignore[arg-type]
+
+
 async def test_spill_store_size_is_polled_while_the_endpoint_runs() -> None:
     port = _free_port()
-    sm = ServiceMetrics(BatonConfig(metrics_port=port), "prefill")
-    sm.watch_spill_store(lambda: 12345)
+    config = BatonConfig(metrics_port=port)
+    sm = ServiceMetrics(config, "prefill")
+    poller = Poller(config, broker=_NoQueues(), metrics=sm)  # type: ignore[arg-type]
+    poller.watch_spill(lambda: 12345)
     await sm.start(ready=lambda: True)
+    await poller.start()
     try:
         for _ in range(100):
             status, _, body = await _http(port, _get("/metrics"))
@@ -336,6 +384,7 @@ async def test_spill_store_size_is_polled_while_the_endpoint_runs() -> None:
             raise AssertionError("spill store size never exported")
         assert status == 200
     finally:
+        await poller.stop()
         await sm.stop()
 
 
@@ -348,7 +397,7 @@ def test_engine_service_registers_the_gpu_collector_on_cuda() -> None:
     from shared.observability.metrics import _CudaCollector
 
     def collectors(device: str) -> list[object]:
-        engine: object = SimpleNamespace(connector=object())
+        engine: object = SimpleNamespace(info=_info(kind="prefill"))
         service = PrefillService(BatonConfig(device=device), engine)  # type: ignore[arg-type]
         registry = service.shell.metrics.metrics.registry
         return [c for c in registry._collector_to_names if isinstance(c, _CudaCollector)]

@@ -35,11 +35,6 @@ class DecodeService(EngineService):
             prefetch=config.max_num_seqs + config.decode_prefetch_headroom,
             event_hold_s=config.decode_event_hold_s,
         )
-        runner = engine.runner
-        self.shell.metrics.set_decode_costs(
-            weight_bytes=sum(p.numel() * p.element_size() for p in runner.model.parameters()),
-            kv_bytes_per_token=runner.block_bytes // runner.block_size,
-        )
 
     def window(self, load: EngineLoad) -> int:
         self.shell.metrics.on_policy_times(self.policy.release_s, None)

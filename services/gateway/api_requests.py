@@ -9,7 +9,8 @@ its ``invalid_request`` replies come back as 400s all the same.
 
 Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0, and a
 chat completion without ``max_tokens`` runs until EOS, a stop string or the model's length
-(``max_model_len``, capped by ``max_tokens_limit``); a completion's default stays 16.
+(``Limits.max_model_len``, capped by ``max_tokens_limit``; the tokenizer clamps it to what fits
+after the prompt); a completion's default stays 16.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 from services.gateway.errors import ApiError, invalid
 from shared.config import BatonConfig
-from shared.wire.messages import MAX_PRIORITY
+from shared.limits import Limits
+from shared.wire.errors import ProtocolError
+from shared.wire.priority import check_priority
 from shared.wire.sampling import DEFAULT_MAX_TOKENS
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -77,7 +80,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
     raise invalid("prompt must be a string or a list of token ids", "prompt")
 
 
-def parse_chat(body: Any, config: BatonConfig) -> BatonRequest:
+def parse_chat(body: Any, config: BatonConfig, limits: Limits) -> BatonRequest:
     body = _object(body)
     _refuse_unsupported(body, chat=True)
     baton: dict[str, Any] = {"messages": _messages(body.get("messages"))}
@@ -86,7 +89,7 @@ def parse_chat(body: Any, config: BatonConfig) -> BatonRequest:
     if max_tokens is None:
         max_tokens = _opt(body, "max_tokens", int)
     if max_tokens is None:
-        max_tokens = min(config.max_model_len, config.max_tokens_limit)
+        max_tokens = min(limits.max_model_len, config.max_tokens_limit)
     baton["max_tokens"] = max_tokens
     return _finish(body, config, baton, chat=True)
 
@@ -123,9 +126,10 @@ def _finish(
     priority = _opt(body, "priority", int)
     if priority is not None:
         # Checked here, not only by the tokenizer: it also becomes the AMQP message priority.
-        if not 0 <= priority <= MAX_PRIORITY:
-            raise invalid(f"priority must be in [0, {MAX_PRIORITY}], got {priority}", "priority")
-        baton["priority"] = priority
+        try:
+            baton["priority"] = check_priority(priority)
+        except ProtocolError as exc:
+            raise invalid(exc.message, "priority") from None
     return BatonRequest(chat, served, stream, include_usage, baton)
 
 

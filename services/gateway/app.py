@@ -28,13 +28,16 @@ from services.gateway.exchange import SCOPE_STATUS, SCOPE_T0, Exchange, send_err
 from services.gateway.metrics import GatewayMetrics, route_label
 from shared.client import BatonClient
 from shared.config import BatonConfig
+from shared.limits import Limits
 from shared.observability.http_server import METRICS_CONTENT_TYPE
 
 log = structlog.get_logger(__name__)
 
 
-def create_app(config: BatonConfig, client: BatonClient, metrics: GatewayMetrics) -> ASGIApp:
-    api = _Api(config, client, metrics)
+def create_app(
+    config: BatonConfig, limits: Limits, client: BatonClient, metrics: GatewayMetrics
+) -> ASGIApp:
+    api = _Api(config, limits, client, metrics)
     app = Starlette(
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
@@ -53,8 +56,11 @@ def create_app(config: BatonConfig, client: BatonClient, metrics: GatewayMetrics
 
 
 class _Api:
-    def __init__(self, config: BatonConfig, client: BatonClient, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, config: BatonConfig, limits: Limits, client: BatonClient, metrics: GatewayMetrics
+    ) -> None:
         self.config = config
+        self.limits = limits
         self.client = client
         self._metrics = metrics
         self.model = served_model_id(config)
@@ -68,7 +74,7 @@ class _Api:
 
     async def chat_completions(self, request: Request) -> Exchange:
         self._authorize(request)
-        req = parse_chat(await self._json(request), self.config)
+        req = parse_chat(await self._json(request), self.config, self.limits)
         return Exchange(self.client, req, f"chatcmpl-{uuid.uuid4().hex}", self._metrics)
 
     async def models(self, request: Request) -> Response:
@@ -79,7 +85,7 @@ class _Api:
             "created": self.created,
             "owned_by": "baton",
             "root": self.model,
-            "max_model_len": self.config.max_model_len,
+            "max_model_len": self.limits.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
 

@@ -19,9 +19,7 @@ Route labels are a closed set (the served paths, else ``other``), never the raw 
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
-
-from shared.observability.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, Metrics
+from shared.observability.metrics import REQUEST_LATENCY_BUCKETS, Metrics
 
 ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"))
 # 50 µs to 100 ms: the gateway's share is meant to sit well under 2 ms.
@@ -38,36 +36,29 @@ def route_label(path: str) -> str:
 class GatewayMetrics(Metrics):
     def __init__(self) -> None:
         super().__init__()
-        r = self.registry
         self.service_info.info({"service": "gateway"})
-        self.http_requests = Counter(
-            PREFIX + "http_requests",
+        self.http_requests = self.counter(
+            "http_requests_total",
             "HTTP responses by route and status code (499: the client went away first).",
             ("route", "status"),
-            registry=r,
         )
-        self.http_request_duration = Histogram(
-            PREFIX + "http_request_duration_seconds",
+        self.http_request_duration = self.histogram(
+            "http_request_duration_seconds",
             "Arrival to the last byte of the response, by route.",
+            REQUEST_LATENCY_BUCKETS,
             ("route",),
-            registry=r,
-            buckets=REQUEST_LATENCY_BUCKETS,
         )
-        self.gateway_overhead = Histogram(
-            PREFIX + "gateway_overhead_seconds",
+        self.gateway_overhead = self.histogram(
+            "gateway_overhead_seconds",
             "Time the gateway adds to time to first byte (parsing and publishing, and turning "
             "Baton's first reply into bytes), waiting for Baton excluded.",
-            registry=r,
-            buckets=OVERHEAD_BUCKETS,
+            OVERHEAD_BUCKETS,
         )
-        self.client_disconnects = Counter(
-            PREFIX + "http_client_disconnects",
+        self.client_disconnects = self.counter(
+            "http_client_disconnects_total",
             "Requests cancelled because the HTTP client disconnected before the end.",
             ("route",),
-            registry=r,
         )
-        self.requests_in_flight = Gauge(
-            PREFIX + "http_requests_in_flight",
-            "HTTP requests received and not yet fully answered.",
-            registry=r,
+        self.requests_in_flight = self.gauge(
+            "http_requests_in_flight", "HTTP requests received and not yet fully answered."
         )

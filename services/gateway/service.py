@@ -3,7 +3,9 @@
 A fifth service beside tokenizer, prefill, decode and detokenizer, and the thinnest: one
 :class:`BatonClient` (one AMQP connection, one reply queue shared by every HTTP request) and an
 HTTP server on the same event loop. No model, no tokenizer: requests go to ``baton.requests``
-as the contract says, and the tokenizer service applies the chat template.
+as the contract says, and the tokenizer service applies the chat template. Of the model it reads
+``config.json`` only, for its length (``Limits``: ``/v1/models``, a chat's default
+``max_tokens``).
 
 Why Starlette on uvicorn: Starlette is a small, well-kept ASGI toolkit (routing, request/header
 parsing, error handlers, nothing else), the base FastAPI is built on; uvicorn, with httptools'
@@ -32,8 +34,10 @@ import uvicorn
 from services.gateway.api_requests import served_model_id
 from services.gateway.app import create_app
 from services.gateway.metrics import GatewayMetrics
+from services.shell.common import resolve_model_dir
 from shared.client import BatonClient, BatonUnavailable
 from shared.config import BatonConfig
+from shared.limits import Limits
 
 log = structlog.get_logger(__name__)
 
@@ -78,9 +82,15 @@ class _Server(uvicorn.Server):
 class GatewayService:
     name = "gateway"
 
-    def __init__(self, config: BatonConfig, client: BatonClient | None = None) -> None:
+    def __init__(
+        self, config: BatonConfig, client: BatonClient | None = None, limits: Limits | None = None
+    ) -> None:
+        """``limits``: default from the model's ``config.json`` (as the tokenizer's)."""
         check_exposure(config)
         self.config = config
+        if limits is None:
+            limits = Limits.for_model_dir(config, resolve_model_dir(config))
+        self.limits = limits
         self.metrics = GatewayMetrics()
         self.client = client  # given: owned by the caller (tests); None: connected in start()
         self._owns_client = client is None
@@ -98,7 +108,7 @@ class GatewayService:
             except BaseException:
                 sock.close()
                 raise
-        app = create_app(self.config, self.client, self.metrics)
+        app = create_app(self.config, self.limits, self.client, self.metrics)
         server = _Server(
             uvicorn.Config(
                 app,

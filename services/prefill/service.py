@@ -6,8 +6,8 @@ connector; this module only translates. A request that ends at its first token (
 ``max_tokens`` 1) gets no handoff. The input is acked once its first token and handoff are
 confirmed (``services/shell/engine_service.py``).
 
-Scheduling policy (``shared/scheduling/policy.py``): every ``policy_poll_interval_s`` this
-service reads the depths of ``baton.prefill`` and ``baton.decode`` and the spill store's size.
+Scheduling policy (``shared/scheduling/policy.py``): every ``policy_poll_interval_s`` the shell's
+poller reads the depths of ``baton.prefill`` and ``baton.decode`` and the spill store's size.
 From them and its own steps come its prefetch (the batch in the forward and the batches it
 forwards while a finished batch's acks come back; smaller as decode's backlog or the spill store
 fills), the pause (no new prompt starts while either is at its limit) and the short-prompt
@@ -17,7 +17,6 @@ effective priority at that moment (aging included) as its AMQP priority.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from services.shell.common import resolve_model_dir
@@ -25,7 +24,6 @@ from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
 from shared.engine.build import build_prefill_engine
 from shared.engine.prefill import PrefillEngine
-from shared.kv_transfer import ShmConnector
 from shared.scheduling.load import EngineLoad
 from shared.scheduling.policy import Intake, prefill_window_cap
 from shared.wire.messages import PrefillMsg
@@ -44,27 +42,13 @@ class PrefillService(EngineService):
             prefetch=prefill_window_cap(config),
             batch_wait_s=config.prefill_batch_wait_s,
         )
-        self._spill = engine.connector if isinstance(engine.connector, ShmConnector) else None
-
-    async def start(self) -> None:
-        await super().start()
-        interval = self.config.policy_poll_interval_s
-        self.shell.every(interval, self._poll_depths, "queue depth poll")
-        if self._spill is not None:  # a folder scan: not more than once a second
-            self.shell.every(max(1.0, interval), self._poll_spill, "spill store poll")
-
-    async def _poll_depths(self) -> None:
-        """Feed the policy the broker's depths; a failed read keeps the last value (the broker
-        reconnects meanwhile)."""
-        depths = await self.shell.broker.queue_depths([PREFILL_QUEUE, DECODE_QUEUE])
-        self._apply(lambda: self.policy.observe_depths(depths))
-        self.shell.metrics.metrics.set_queue_depths(depths)
-
-    async def _poll_spill(self) -> None:
-        assert self._spill is not None
-        used = await asyncio.to_thread(self._spill.used_bytes)
-        self._apply(lambda: self.policy.observe_spill(used))
-        self.shell.metrics.metrics.spill_store_bytes.set(used)
+        # The shell's poller feeds the policy (the spill store's size only with a spill store).
+        poller = self.shell.poller
+        poller.on_depths(
+            (PREFILL_QUEUE, DECODE_QUEUE),
+            lambda depths: self._apply(lambda: self.policy.observe_depths(depths)),
+        )
+        poller.on_spill(lambda used: self._apply(lambda: self.policy.observe_spill(used)))
 
     def _apply(self, observe: Callable[[], None]) -> None:
         """Feed the policy, then apply its answers: the window, and intake reopened."""

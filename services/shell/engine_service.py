@@ -5,12 +5,14 @@ Threading: deliveries and control messages only land in ``inbox`` / the abort qu
 the loop hands them to the engine between steps, and ``step`` runs in a worker thread — so the
 engine is only ever touched by one thread at a time (its invariant, ``shared/engine/engine.py``).
 
-A work message becomes a :class:`NewRequest` here (``to_request``); a subclass
-(``services/prefill``, ``services/decode``) names its message type and, for prefill, turns
-handoffs into ``HandoffMsg`` (``handoff_messages``). Everything else — intake, drain, acks,
-metrics — is here and in the service shell. The scheduling policy (``self.policy``) is fed by
-the subclass and answers with the prefetch window after each step (``window``) and whether
-intake is open (``intake_open``).
+A work message becomes a :class:`NewRequest` here (``to_request``) and each handoff of a step a
+``HandoffMsg`` (``handoff_messages``); a subclass (``services/prefill``, ``services/decode``) names
+its message type and its policy. Everything else — intake, drain, acks, metrics — is here and in
+the service shell. The scheduling policy (``self.policy``) is fed by the subclass and answers with
+the prefetch window after each step (``window``) and whether intake is open (``intake_open``).
+
+What this shell knows of its engine: the verbs, ``engine.info`` and what ``step`` returns —
+never the runner, the connectors or the scheduler behind them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from services.shell.shell import ServiceShell, ack, detok_events, requeue
 from shared.config import BatonConfig
 from shared.engine.engine import EngineCore
 from shared.engine.outputs import AddResult, Handoff, NewRequest, StepOutput
-from shared.kv_transfer import ShmConnector
 from shared.scheduling.load import EngineLoad
 from shared.scheduling.policy import SchedulingPolicy
 from shared.wire.errors import ErrorCode, ProtocolError
@@ -93,8 +94,9 @@ class EngineService(ABC):
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self.shell.metrics.watch_device(config.device)
-        if isinstance(engine.connector, ShmConnector):
-            self.shell.metrics.watch_spill_store(engine.connector.used_bytes)
+        self.shell.metrics.set_engine(engine.info)
+        if engine.info.spill_store:
+            self.shell.poller.watch_spill(engine.spill_store_bytes)
 
     # --- translation (the subclass) -------------------------------------------------------------
     def to_request(self, msg: PrefillMsg | HandoffMsg) -> NewRequest:
@@ -149,7 +151,7 @@ class EngineService(ABC):
         )
         await self.prefetch.start()
         self._loop = asyncio.create_task(self._run())
-        route = self.engine.connector.release_route
+        route = self.engine.info.release_route
         if route is not None:  # a pooled sender: receivers tell it when its pins may go
             await self.shell.broker.consume_private(kv_release_queue(route), self._on_release)
         await self.shell.consume(self.queue, self._on_delivery, on_poison=self._answer_poison)
@@ -161,8 +163,7 @@ class EngineService(ABC):
                 await self._loop
         await self.prefetch.stop()
         await self.shell.stop()
-        # A pooled sender's pool file goes with it (a killed one is reaped by the next start).
-        self.engine.connector.close()
+        self.engine.close()
 
     async def wait_finished(self) -> None:
         await self.shell.wait_finished()
@@ -181,7 +182,7 @@ class EngineService(ABC):
     def _check_token_ids(self, msg: Any) -> None:
         """A token id outside the vocabulary would fail the forward of everything batched with
         it: refused here, like any malformed message (the tokenizer refuses a client's)."""
-        vocab = self.engine.runner.model_config.vocab_size
+        vocab = self.engine.info.vocab_size
         for ids in (msg.prompt_token_ids, getattr(msg, "output_token_ids", ())):
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise ProtocolError(ErrorCode.INTERNAL, f"token id outside 0..{vocab - 1}")
@@ -296,7 +297,7 @@ class EngineService(ABC):
             self.shell.spawn(ack(old.delivery))
         elif result is AddResult.TOO_LONG:
             n = len(req.prompt_token_ids) + len(req.output_token_ids)
-            reason = f"{n} tokens do not fit this engine (max {self.engine.limits.max_model_len})"
+            reason = f"{n} tokens do not fit this engine (max {self.engine.info.max_model_len})"
             log.info("request too long for the engine", request_id=rid, reason=reason)
             event = error_event(rid, ErrorCode.PROMPT_TOO_LONG, reason)
             self.shell.publish_then_ack(self._detok([event], now), [item.delivery], "refusal")
@@ -304,16 +305,10 @@ class EngineService(ABC):
             self.shell.spawn(ack(item.delivery))
 
     def _publish(self, out: StepOutput) -> None:
-        metrics = self.shell.metrics
+        self.shell.metrics.on_engine_step(out)
         if out.stats is not None:
-            metrics.on_step(out.stats)
             stats = out.stats
             self.policy.observe_step(stats.forward_s, stats.num_seqs, stats.num_scheduled_tokens)
-        metrics.on_load(out.load)
-        metrics.on_priorities(self.engine.priorities)
-        for stat in out.transfers:
-            metrics.on_transfer(stat)
-        metrics.on_connector(self.engine.connector.stats())
         if out.releases:
             self.publish_releases(out.releases)
         if not out and not self.events:

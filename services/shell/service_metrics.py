@@ -1,50 +1,44 @@
 """Service-side metric updates: turns engine step facts and service events into Prometheus metrics.
 
 Each service owns one :class:`ServiceMetrics` (the service shell creates it). Engine services
-feed it :class:`~shared.engine.outputs.StepStats` and
-:class:`~shared.engine.outputs.KVTransferStat`; it never sees a scheduler or a block manager. The
-HTTP endpoint (``/metrics``, ``/health``, ``/ready``) runs only when ``BATON_METRICS_PORT`` is
-set; event-driven metrics are always updated (a few increments per step), polled ones (queue
-depths, the spill store's size) only while the endpoint runs, since nobody could read them else.
+feed it what their engine reports as data — :class:`~shared.engine.outputs.EngineInfo` once, then
+each :class:`~shared.engine.outputs.StepOutput` (its ``StepStats``, ``EngineLoad``, transfers and
+connector counters); it never sees a scheduler, a block manager or a connector. The HTTP endpoint
+(``/metrics``, ``/health``, ``/ready``) runs only when ``BATON_METRICS_PORT`` is set; the polled
+figures (queue depths, the spill store's size) come from the service's one poller
+(``services/shell/polling.py``).
+
+Adding a metric: declare it in ``shared/observability/metrics.py`` and set it here, from a field
+of the data above (an engine figure: a field of ``StepStats`` or ``EngineLoad`` first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from shared.config import BatonConfig
-from shared.kv_transfer.connector import KVConnectorStats
+from shared.engine.outputs import KVConnectorStats
 from shared.observability.http_server import start_metrics_server
 from shared.observability.metrics import Metrics
 
 if TYPE_CHECKING:
-    from services.shell.broker import Broker
-    from shared.engine.outputs import KVTransferStat, StepStats
+    from shared.engine.outputs import EngineInfo, KVTransferStat, StepOutput, StepStats
     from shared.scheduling.load import EngineLoad
     from shared.scheduling.policy import PrefillIntake
-    from shared.scheduling.priority import Prioritizer
+    from shared.scheduling.priority import PriorityState
     from shared.wire.messages import DoneReply, ErrorReply, StartInfo
-
-log = structlog.get_logger(__name__)
-
-POLL_INTERVAL_S = 2.0
 
 
 class ServiceMetrics:
-    def __init__(self, config: BatonConfig, service: str, broker: Broker | None = None) -> None:
+    def __init__(self, config: BatonConfig, service: str) -> None:
         self.config = config
         self.service = service
-        self.broker = broker
         self.metrics = Metrics()
         self.metrics.service_info.info({"service": service, "device": config.device})
         self._server: asyncio.AbstractServer | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._spill_store: Callable[[], int] | None = None
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         self._last_swaps = (0, 0)  # (out, in)
@@ -54,15 +48,10 @@ class ServiceMetrics:
         self._kv_bytes_per_token = 0
 
     async def start(self, ready: Callable[[], bool]) -> None:
-        if not self.config.metrics_port:
-            return
-        self._server = await start_metrics_server(self.config.metrics_port, self.metrics, ready)
-        if self.broker is not None or self._spill_store is not None:
-            self._poller = asyncio.create_task(self._poll())
+        if self.config.metrics_port:
+            self._server = await start_metrics_server(self.config.metrics_port, self.metrics, ready)
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -72,23 +61,12 @@ class ServiceMetrics:
         """Export ``baton:gpu_memory_*`` for a CUDA device (a process that holds a model there)."""
         self.metrics.watch_device(device)
 
-    def watch_spill_store(self, used_bytes: Callable[[], int]) -> None:
-        """Poll the spill store's size (``baton:spill_store_bytes``); call before ``start``."""
-        self._spill_store = used_bytes
+    # --- polled (services/shell/polling.py) -----------------------------------------------------
+    def set_queue_depths(self, depths: Mapping[str, int]) -> None:
+        self.metrics.set_queue_depths(depths)
 
-    async def _poll(self) -> None:
-        while True:
-            try:
-                if self.broker is not None:
-                    self.metrics.set_queue_depths(await self.broker.queue_depths())
-                if self._spill_store is not None:
-                    used = await asyncio.to_thread(self._spill_store)
-                    self.metrics.spill_store_bytes.set(used)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the broker reconnects; a missed poll is harmless
-                log.debug("metrics poll failed", error=str(exc))
-            await asyncio.sleep(POLL_INTERVAL_S)
+    def set_spill_store_bytes(self, used: int) -> None:
+        self.metrics.spill_store_bytes.set(used)
 
     # --- every consumer -------------------------------------------------------------------------
     def on_redelivered(self, queue: str) -> None:
@@ -146,17 +124,26 @@ class ServiceMetrics:
         if wire > priority:
             self.metrics.priority_boosts.labels(reason=reason).inc()
 
-    def on_priorities(self, prioritizer: Prioritizer) -> None:
+    def on_priorities(self, state: PriorityState) -> None:
         m = self.metrics
-        m.priority_aging_horizon.set(prioritizer.horizon_s or 0.0)
-        m.priority_median_wait.set(prioritizer.median_wait_s or 0.0)
-        m.short_prompt_boost_active.set(int(prioritizer.boosting))
+        m.priority_aging_horizon.set(state.horizon_s or 0.0)
+        m.priority_median_wait.set(state.median_wait_s or 0.0)
+        m.short_prompt_boost_active.set(int(state.boosting))
 
     # --- prefill and decode ---------------------------------------------------------------------
-    def set_decode_costs(self, weight_bytes: int, kv_bytes_per_token: int) -> None:
-        """What one decode step must read besides the KV of its batch (for the bandwidth gauge)."""
-        self._step_weight_bytes = weight_bytes
-        self._kv_bytes_per_token = kv_bytes_per_token
+    def set_engine(self, info: EngineInfo) -> None:
+        """What a step must read besides the KV of its batch (for the decode bandwidth gauge)."""
+        self._step_weight_bytes = info.weight_bytes
+        self._kv_bytes_per_token = info.kv_bytes_per_token
+
+    def on_engine_step(self, out: StepOutput) -> None:
+        """Everything one engine step reports, forward or not."""
+        if out.stats is not None:
+            self.on_step(out.stats)
+        self.on_load(out.load)
+        for stat in out.transfers:
+            self.on_transfer(stat)
+        self.on_connector(out.kv)
 
     def on_step(self, stats: StepStats) -> None:
         """One forward of a prefill or decode engine."""
@@ -196,6 +183,7 @@ class ServiceMetrics:
         self.metrics.kv_host_blocks_used.set(load.num_host_blocks_used)
         self.metrics.kv_host_staged_blocks.inc(load.num_staged_blocks - self._last_staged_blocks)
         self._last_staged_blocks = load.num_staged_blocks
+        self.on_priorities(load.priority)
 
     def on_connector(self, stats: KVConnectorStats) -> None:
         """The KV connector's counters, read after each step (cumulative: add what is new)."""

@@ -8,7 +8,9 @@ What it owns, so that a service module only translates between wire messages and
   broker's redelivered flag is set) and tracked while its handler runs;
 - publishing with confirms, and ordered background publishes that ack their inputs only once
   confirmed (:meth:`publish_then_ack`);
-- the metrics, ``/health`` and ``/ready`` endpoint (:class:`ServiceMetrics`).
+- the metrics, ``/health`` and ``/ready`` endpoint (:class:`ServiceMetrics`), and the one poller
+  of queue depths and the spill store (:class:`~services.shell.polling.Poller`: a service
+  subscribes its policy before ``start``).
 
 Drain: on a ``drain`` control message a drainable service stops consuming (its consumers are
 cancelled; a delivery that still arrives is requeued), gives back what it received but has not
@@ -28,6 +30,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.shell.broker import Broker, Handler, Outgoing
+from services.shell.polling import Poller
 from services.shell.service_metrics import ServiceMetrics
 from shared.config import BatonConfig
 from shared.wire.errors import ProtocolError
@@ -46,18 +49,12 @@ STOP_PUBLISH_TIMEOUT_S = 10.0
 
 
 class ServiceShell:
-    def __init__(
-        self,
-        config: BatonConfig,
-        name: str,
-        prefetch: int,
-        *,
-        poll_queue_depths: bool = True,
-    ) -> None:
+    def __init__(self, config: BatonConfig, name: str, prefetch: int) -> None:
         self.config = config
         self.name = name
         self.broker = Broker(config, prefetch_count=prefetch)
-        self.metrics = ServiceMetrics(config, name, self.broker if poll_queue_depths else None)
+        self.metrics = ServiceMetrics(config, name)
+        self.poller = Poller(config, self.broker, self.metrics)
         self.draining = False
         self._consumers: list[tuple[AbstractQueue, str]] = []
         self._handling = 0  # deliveries whose handler is still running
@@ -68,7 +65,6 @@ class ServiceShell:
         self._on_drain: Callable[[], Awaitable[None]] | None = None
         self._idle: Callable[[], bool] = lambda: True
         self._drain_task: asyncio.Task[None] | None = None
-        self._periodic: list[asyncio.Task[None]] = []
         self._finished = asyncio.Event()
         self._trusted = {u.strip() for u in config.trusted_publishers.split(",") if u.strip()}
 
@@ -81,14 +77,16 @@ class ServiceShell:
         on_drain: Callable[[], Awaitable[None]] | None = None,
         idle: Callable[[], bool] | None = None,
     ) -> None:
-        """Connect, subscribe to control, serve metrics. ``idle``: the service holds no work
-        (drain ends when it is true, no handler runs and every background publish is done)."""
+        """Connect, subscribe to control, serve metrics, take the first polled readings.
+        ``idle``: the service holds no work (drain ends when it is true, no handler runs and
+        every background publish is done)."""
         self._on_control, self._drainable, self._on_drain = on_control, drainable, on_drain
         if idle is not None:
             self._idle = idle
         await self.broker.connect()
         await self.broker.subscribe_control(self._control)
         await self.metrics.start(ready=self.ready)
+        await self.poller.start()
 
     def ready(self) -> bool:
         return bool(self._consumers) and not self.draining
@@ -97,24 +95,10 @@ class ServiceShell:
         """Returns once the service has drained (it never does otherwise)."""
         await self._finished.wait()
 
-    def every(self, interval_s: float, poll: Callable[[], Awaitable[None]], what: str) -> None:
-        """Run ``poll`` every ``interval_s`` until ``stop``; a failure is logged, not fatal."""
-
-        async def loop() -> None:
-            while True:
-                try:
-                    await poll()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # e.g. the broker reconnecting: the next one may work
-                    log.debug(f"{what} failed", error=str(exc))
-                await asyncio.sleep(interval_s)
-
-        self._periodic.append(asyncio.create_task(loop()))
-
     async def stop(self) -> None:
-        for task in [*self._periodic, *([self._drain_task] if self._drain_task else [])]:
-            task.cancel()
+        await self.poller.stop()
+        if self._drain_task is not None:
+            self._drain_task.cancel()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=STOP_PUBLISH_TIMEOUT_S)
             for task in pending:  # the broker is gone: the inputs stay unacked and are redelivered

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Mapping
 
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
@@ -28,7 +29,7 @@ from services.tokenizer.core import PromptEncoder
 from shared.config import BatonConfig
 from shared.limits import Limits
 from shared.scheduling.policy import SchedulingPolicy
-from shared.scheduling.priority import Prioritizer, wire_priority
+from shared.scheduling.priority import Prioritizer
 from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.messages import (
     DetokMsg,
@@ -55,18 +56,14 @@ class TokenizerService:
         # short-prompt boost of the priority published to baton.prefill.
         self.policy = SchedulingPolicy(config)
         self.priorities = Prioritizer(config, short_boost=True)
-        self.shell = ServiceShell(
-            config, self.name, prefetch=self.policy.tokenizer_prefetch(), poll_queue_depths=False
-        )
+        self.shell = ServiceShell(config, self.name, prefetch=self.policy.tokenizer_prefetch())
         self.shell.metrics.on_prefetch(self.policy.tokenizer_prefetch(), changed=False)
+        self.shell.poller.on_depths((PREFILL_QUEUE, DECODE_QUEUE), self._observe_depths)
 
     async def start(self) -> None:
-        await self.shell.start()  # no per-request control: the detokenizer answers cancels
-        try:  # the first reading before the first request: admission never runs blind
-            await self._poll_backlog()
-        except Exception as exc:  # the periodic poll below keeps trying
-            log.warning("first backlog poll failed", error=str(exc))
-        self.shell.every(self.config.policy_poll_interval_s, self._poll_backlog, "backlog poll")
+        # No per-request control: the detokenizer answers cancels. The shell takes the first
+        # depth reading before it returns: admission never runs blind.
+        await self.shell.start()
         await self.shell.consume(REQUESTS_QUEUE, self.on_request, on_poison=self._answer_poison)
 
     async def stop(self) -> None:
@@ -75,13 +72,10 @@ class TokenizerService:
     async def wait_finished(self) -> None:
         await self.shell.wait_finished()
 
-    async def _poll_backlog(self) -> None:
-        # A failed poll keeps the last reading (the broker reconnects meanwhile).
-        depths = await self.shell.broker.queue_depths([PREFILL_QUEUE, DECODE_QUEUE])
+    def _observe_depths(self, depths: Mapping[str, int]) -> None:
         self.policy.observe_depths(depths)
         self.priorities.observe_backlog(self.policy.prefill_backlog)
-        self.shell.metrics.metrics.set_queue_depths(depths)
-        self.shell.metrics.on_priorities(self.priorities)
+        self.shell.metrics.on_priorities(self.priorities.state())
 
     async def on_request(self, message: AbstractIncomingMessage) -> None:
         arrival = time.time()
@@ -131,8 +125,7 @@ class TokenizerService:
         deadline = limit.at
         # The AMQP priority: the client's, plus the short-prompt boost while the prefill
         # backlog is deep (shortest job first under pressure). The body keeps the client's.
-        effective = self.priorities.effective(req.priority, arrival, num_prompt, arrival)
-        wire = wire_priority(effective)
+        wire = self.priorities.wire_priority(req.priority, arrival, num_prompt, arrival)
         start = StartInfo(
             request_id=req.request_id,
             reply_to=reply_to,

@@ -15,35 +15,34 @@ PREEMPTION_MODES = ("swap", "recompute")
 
 
 def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> PrefillEngine:
-    connector = make_connector(config, role="prefill")
-    runner = ModelRunner(
-        config,
-        model_dir,
-        allocate_kv_cache=connector.allocate_kv_cache,
-        kv_host_cache_bytes=host_cache_bytes(config),
-    )
+    connector, runner = _connector_and_runner(config, "prefill", model_dir)
     # A pooled transport maps the device pool only: prompts holding host blocks go by copy.
-    spill = None
-    if runner.host_tier is not None and not isinstance(connector, ShmConnector):
-        spill = spill_store(config)
-    return PrefillEngine(config, runner, connector, spill)
+    copies = runner.host_tier is None or isinstance(connector, ShmConnector)
+    return PrefillEngine(config, runner, connector, None if copies else spill_store(config))
 
 
 def build_decode_engine(
     config: BatonConfig, model_dir: Path | None = None, kv_host_cache_bytes: int | None = None
 ) -> DecodeEngine:
     """``kv_host_cache_bytes``: the host tier's size, exact (default ``kv_host_cache_mb``)."""
-    swap = make_swap_connector(config)
-    connector = make_connector(config, role="decode")
+    swap = make_swap_connector(config)  # before the model loads: a bad setting fails at once
+    connector, runner = _connector_and_runner(config, "decode", model_dir, kv_host_cache_bytes)
+    return DecodeEngine(config, runner, connector, swap)
+
+
+def _connector_and_runner(
+    config: BatonConfig, role: str, model_dir: Path | None, kv_host_cache_bytes: int | None = None
+) -> tuple[KVConnector, ModelRunner]:
+    connector = make_connector(config, role=role)
+    if kv_host_cache_bytes is None:
+        kv_host_cache_bytes = config.kv_host_cache_mb << 20
     runner = ModelRunner(
         config,
         model_dir,
         allocate_kv_cache=connector.allocate_kv_cache,
-        kv_host_cache_bytes=(
-            host_cache_bytes(config) if kv_host_cache_bytes is None else kv_host_cache_bytes
-        ),
+        kv_host_cache_bytes=kv_host_cache_bytes,
     )
-    return DecodeEngine(config, runner, connector, swap)
+    return connector, runner
 
 
 def make_swap_connector(config: BatonConfig) -> KVConnector | None:
@@ -56,10 +55,6 @@ def make_swap_connector(config: BatonConfig) -> KVConnector | None:
     if config.decode_preemption == "recompute":
         return None
     return spill_store(config)
-
-
-def host_cache_bytes(config: BatonConfig) -> int:
-    return config.kv_host_cache_mb << 20
 
 
 def spill_store(config: BatonConfig) -> ShmConnector:

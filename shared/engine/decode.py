@@ -6,7 +6,7 @@ gone (an earlier receiver consumed it before crashing, the store was full), the 
 recomputes the KV inside this engine.
 
 Preemption by swap (``BATON_DECODE_PREEMPTION=swap``, the default): the victim's computed KV is
-copied into the spill store by this engine's own sending role (``swap``, a spill-store connector
+copied into the spill store by this engine's own sending role (``spill``, a spill-store connector
 beside the receiving one) and the request leaves as a handoff to ``baton.decode`` — prompt,
 tokens so far, the KV's descriptor, its effective priority — for whichever decode worker has
 room (this one included), which loads the KV and goes on with no recompute. If the store is
@@ -19,21 +19,11 @@ import time
 
 import structlog
 
-from shared.config import BatonConfig
 from shared.engine.engine import EngineCore
-from shared.engine.outputs import (
-    AddResult,
-    Handoff,
-    KVTransferStat,
-    NewRequest,
-    StepOutput,
-    TokenOutput,
-)
+from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.kv_transfer.connector import KVConnector
-from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
-from shared.scheduling.priority import wire_priority
 from shared.wire.messages import KVDescriptor, KVRelease
 
 log = structlog.get_logger(__name__)
@@ -43,33 +33,23 @@ class DecodeEngine(EngineCore):
     kind = "decode"
     scheduler: DecodeScheduler
 
-    def __init__(
-        self,
-        config: BatonConfig,
-        runner: ModelRunner,
-        connector: KVConnector,
-        swap: KVConnector | None = None,
-    ) -> None:
-        """``swap``: where preempted sequences' KV goes (a spill-store connector on this engine's
-        cache); None: preemption recomputes."""
-        super().__init__(config, runner, connector)
-        self.swap = swap
-        if swap is not None:
-            swap.register_kv_cache(runner.kv_cache)
-        self.scheduler = DecodeScheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.eos_token_ids,
-            ranking=self.priorities,
-            swap_out=self._swap_out if swap is not None else None,
-        )
+    def _setup(self) -> DecodeScheduler:
+        # ``spill``: where preempted sequences' KV goes (swap); None: preemption recomputes.
         self._swapped: dict[str, KVDescriptor] = {}  # swapped out this step, not yet handed on
         self.num_swaps_in = 0
         self._kv: dict[str, KVDescriptor] = {}  # not yet loaded, by request id
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
-        self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
+        self._reclaim_interval_s = max(1.0, self.config.spill_orphan_timeout_s / 4)
         self._last_reclaim = time.time()
+        c = self.config
+        return DecodeScheduler(
+            self.block_manager,
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            self.stop,
+            ranking=self.priorities,
+            swap_out=self._swap_out if self.spill is not None else None,
+        )
 
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
         result = super().add(req, now)
@@ -97,34 +77,30 @@ class DecodeEngine(EngineCore):
     def _receiver(self, desc: KVDescriptor) -> KVConnector:
         """The connector that reads ``desc``: swapped-out KV sits in the spill store, whatever
         transport prefill hands off through."""
-        if self.swap is not None and desc.transport == self.swap.name != self.connector.name:
-            return self.swap
+        if self.spill is not None and desc.transport == self.spill.name != self.connector.name:
+            return self.spill
         return self.connector
 
     def _swap_out(self, seq: Sequence) -> bool:
         """The scheduler's ``swap_out``: copy the victim's KV to the spill store (the blocks
         are freed by the scheduler right after) and hand the request on at the end of the step."""
-        assert self.swap is not None
+        assert self.spill is not None
         try:
             with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
-                desc = self.swap.send(seq.request_id, block_ids, seq.num_computed_tokens)
+                desc = self.spill.send(seq.request_id, block_ids, seq.num_computed_tokens)
         except Exception:
             log.exception("swap-out failed; recomputing", request_id=seq.request_id)
             return False
         if desc is None:  # the store is full
             return False
-        self.swap.pop_freeable(time.time())  # a copy: the duty to free came straight back
+        self.spill.pop_freeable(time.time())  # a copy: the duty to free came straight back
         self._swapped[seq.request_id] = desc
         log.info("swapped out", request_id=seq.request_id, num_tokens=desc.num_tokens)
         return True
 
     def _hand_on_swapped(self, now: float, out: StepOutput) -> None:
         for rid, desc in self._swapped.items():
-            seq = self.requests[rid]
-            aged = self.priorities.effective(
-                seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
-            )
-            out.handoffs.append(Handoff(rid, seq.output_token_ids, desc, wire_priority(aged)))
+            self._hand_off(self.requests[rid], desc, now, out)
             self._retire(rid, out)
         self._swapped.clear()
 
@@ -211,6 +187,5 @@ class DecodeEngine(EngineCore):
     def _reclaim_orphans(self, now: float) -> None:
         if now - self._last_reclaim >= self._reclaim_interval_s:
             self._last_reclaim = now
-            self.connector.reclaim_orphans(now)
-            if self.swap is not None:
-                self.swap.reclaim_orphans(now)
+            for c in self.connectors:
+                c.reclaim_orphans(now)

@@ -2,6 +2,9 @@
 
 Threading invariant: an engine is not thread-safe. Its shell calls ``add``/``abort``/``release``
 only while no ``step`` runs (the step itself may run in a worker thread).
+
+What a shell sees of an engine: the verbs, :class:`EngineInfo` (``info``) and what ``step``
+returns. The runner, connectors, scheduler and prioritizer are the engine's own.
 """
 
 from __future__ import annotations
@@ -18,21 +21,24 @@ from shared.config import BatonConfig
 from shared.engine.expiring import ExpiringIdSet
 from shared.engine.outputs import (
     AddResult,
+    EngineInfo,
     EngineLoad,
+    Handoff,
     NewRequest,
     RequestError,
     StepOutput,
     StepStats,
 )
+from shared.kv_transfer import ShmConnector
 from shared.kv_transfer.connector import KVConnector
-from shared.limits import Limits
+from shared.limits import StopRule
 from shared.runtime.block_manager import BlockManager
 from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.scheduling.base import SchedulerBase
 from shared.scheduling.priority import Prioritizer
 from shared.wire.errors import ErrorCode
-from shared.wire.messages import KVRelease
+from shared.wire.messages import KVDescriptor, KVRelease
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -42,11 +48,23 @@ class EngineCore(ABC):
     kind: str  # "prefill" | "decode"
     scheduler: SchedulerBase
 
-    def __init__(self, config: BatonConfig, runner: ModelRunner, connector: KVConnector) -> None:
+    def __init__(
+        self,
+        config: BatonConfig,
+        runner: ModelRunner,
+        connector: KVConnector,
+        spill: KVConnector | None = None,
+    ) -> None:
+        """``connector``: the transport between the engines. ``spill``: a spill store beside it on
+        this engine's cache (prefill: prompts holding host-tier blocks when ``connector`` maps
+        the device pool in place; decode: where preempted sequences swap out), or None."""
         self.config = config
         self.runner = runner
         self.connector = connector
-        connector.register_kv_cache(runner.kv_cache)
+        self.spill = spill
+        self.connectors = [connector] if spill is None else [connector, spill]
+        for c in self.connectors:
+            c.register_kv_cache(runner.kv_cache)
         self.block_manager = BlockManager(
             runner.num_kv_blocks,
             runner.block_size,
@@ -54,14 +72,32 @@ class EngineCore(ABC):
             num_device_blocks=runner.tiers.num_device_blocks,
         )
         mc = runner.model_config
-        self.limits = Limits.build(config, mc.max_position_embeddings, runner.max_seq_tokens)
+        self.limits = runner.limits
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.stop = StopRule(self.eos_token_ids, self.limits.max_model_len)
         # The waiting queue's order (effective priority: aging; prefill also boosts short
-        # prompts while its backlog is deep). The subclass hands it to its scheduler.
+        # prompts while its backlog is deep), and the priority each handoff leaves with.
         self.priorities = Prioritizer(config, short_boost=self.kind == "prefill")
         self.requests: dict[str, Sequence] = {}  # every request this engine owns, by id
         self._deadlines: dict[str, float] = {}
         self._aborted = ExpiringIdSet()
+        # The spill store the scheduling policy watches: the transport, when it is one.
+        self._store = connector if isinstance(connector, ShmConnector) else None
+        self.info = EngineInfo(
+            kind=self.kind,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.limits.max_model_len,
+            weight_bytes=sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            kv_bytes_per_token=runner.block_bytes // runner.block_size,
+            release_route=connector.release_route,
+            spill_store=self._store is not None,
+        )
+        self.scheduler = self._setup()
+
+    @abstractmethod
+    def _setup(self) -> SchedulerBase:
+        """This engine's own state, and its scheduler over ``block_manager`` ordered by
+        ``priorities`` (called once, at the end of ``__init__``)."""
 
     # --- verbs ----------------------------------------------------------------------------------
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
@@ -74,10 +110,10 @@ class EngineCore(ABC):
         num_prompt = len(req.prompt_token_ids)
         if not self.limits.fits(num_prompt + len(req.output_token_ids)):
             return AddResult.TOO_LONG
-        seq = Sequence(
+        seq = Sequence(  # max_tokens as the tokenizer clamped it; ``stop`` holds our own bound
             rid,
             req.prompt_token_ids + req.output_token_ids,
-            self.limits.clamp(req.sampling, num_prompt),
+            req.sampling,
             priority=req.priority,
             num_prompt_tokens=num_prompt,
             arrival_time=req.arrival_time,
@@ -114,6 +150,17 @@ class EngineCore(ABC):
         """A receiver is done with KV this engine sent (pooled transports)."""
         self.connector.release(notice)
 
+    def spill_store_bytes(self) -> int:
+        """Bytes in the spill store this engine hands off through (``info.spill_store``; 0 when
+        none). A folder scan: safe beside a running ``step``, too slow to run every step."""
+        return self._store.used_bytes() if self._store is not None else 0
+
+    def close(self) -> None:
+        """The process is stopping: the connectors give back what they hold (a pooled sender's
+        pool file; a killed sender's is reaped by the next one to start)."""
+        for c in self.connectors:
+            c.close()
+
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
@@ -134,7 +181,9 @@ class EngineCore(ABC):
             bm.num_free_blocks,
             bm.num_host_blocks_used,
             tier.num_staged_blocks if tier is not None else 0,
+            self.priorities.state(),
         )
+        out.kv = self.connector.stats()
         return out
 
     @abstractmethod
@@ -168,6 +217,18 @@ class EngineCore(ABC):
         if tier is None:
             return nullcontext(block_ids)
         return tier.device_ids(block_ids, read=read, write=write)
+
+    def _hand_off(
+        self, seq: Sequence, kv: KVDescriptor | None, now: float, out: StepOutput
+    ) -> None:
+        """The request goes on to ``baton.decode`` (prefill's finished prompt, decode's swapped-out
+        sequence) with its tokens so far and where its KV waits (None: recompute). Its AMQP
+        priority: the effective one now, aging included; the short-prompt boost stays at prefill
+        (it answers prefill's backlog, not decode's)."""
+        priority = self.priorities.wire_priority(
+            seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
+        )
+        out.handoffs.append(Handoff(seq.request_id, seq.output_token_ids, kv, priority))
 
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""

@@ -1,14 +1,29 @@
-"""What goes into an engine and what one ``step`` gives back. Plain data, no behaviour."""
+"""What goes into an engine, what it tells its shell about itself, and what one ``step`` gives
+back. Plain data, no behaviour: a shell reads these and never an engine's parts."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
+from shared.kv_transfer.connector import KVConnectorStats
 from shared.scheduling.load import EngineLoad
 from shared.wire.errors import ErrorCode
 from shared.wire.messages import KVDescriptor, KVRelease
 from shared.wire.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a shell needs to know about its engine, fixed once the engine is built."""
+
+    kind: str  # "prefill" | "decode"
+    vocab_size: int  # token ids at or beyond it are refused before they reach a forward
+    max_model_len: int  # the longest sequence this engine serves (``Limits``, with its cache)
+    weight_bytes: int  # the model's parameters: what every decode step reads
+    kv_bytes_per_token: int  # KV cache bytes per token (all layers, K and V)
+    release_route: str | None  # a pooled sender's id: receivers' release notices go to its queue
+    spill_store: bool  # it hands off through the spill store, whose size the policy watches
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,7 @@ class StepOutput:
     transfers: list[KVTransferStat] = field(default_factory=list)
     stats: StepStats | None = None  # None when no forward ran
     load: EngineLoad = field(default_factory=EngineLoad)  # set by every step
+    kv: KVConnectorStats = field(default_factory=KVConnectorStats)  # the connector's, every step
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.handoffs or self.errors or self.retired or self.releases)

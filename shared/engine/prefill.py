@@ -1,9 +1,10 @@
 """The prefill engine: batch prompts under a token budget, sample each first token, hand off.
 
 Per completed prompt: its first token is an output; unless that token already ends the request
-(EOS, ``max_tokens`` 1), its KV goes to the connector and a :class:`Handoff` is an output. A sent
-request's blocks stay allocated until the connector says they may be freed (at once for a copy
-transport; on decode's release or a lease expiry for a pooled one).
+(EOS, ``max_tokens`` 1, a prompt filling all but one position), its KV goes to the connector and
+a :class:`Handoff` is an output. A sent request's blocks stay allocated until the connector says
+they may be freed (at once for a copy transport; on decode's release or a lease expiry for a
+pooled one).
 
 With a host tier (``BATON_KV_HOST_CACHE_MB``, shared/runtime/kv_tiers.py) a pooled transport
 cannot carry a prompt holding host blocks (decode reads the sender's device pool in place):
@@ -14,15 +15,10 @@ from __future__ import annotations
 
 import time
 
-from shared.config import BatonConfig
 from shared.engine.engine import EngineCore
-from shared.engine.outputs import Handoff, KVTransferStat, NewRequest, StepOutput, TokenOutput
-from shared.kv_transfer.connector import KVConnector
-from shared.limits import check_stop
-from shared.runtime.model_runner import ModelRunner
+from shared.engine.outputs import KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillScheduler
-from shared.scheduling.priority import wire_priority
 from shared.wire.messages import KVRelease
 
 
@@ -30,27 +26,16 @@ class PrefillEngine(EngineCore):
     kind = "prefill"
     scheduler: PrefillScheduler
 
-    def __init__(
-        self,
-        config: BatonConfig,
-        runner: ModelRunner,
-        connector: KVConnector,
-        spill: KVConnector | None = None,
-    ) -> None:
-        """``spill``: a copy transport for prompts holding host-tier blocks when ``connector``
-        maps the device pool in place (None: ``connector`` carries everything)."""
-        super().__init__(config, runner, connector)
-        self.spill = spill
-        if spill is not None:
-            spill.register_kv_cache(runner.kv_cache)
-        self.scheduler = PrefillScheduler(
+    def _setup(self) -> PrefillScheduler:
+        # Sent to a connector, blocks not yet freed: request id -> its sequence.
+        self._handed_off: dict[str, Sequence] = {}
+        c = self.config
+        return PrefillScheduler(
             self.block_manager,
-            config.max_num_batched_tokens,
-            config.prefill_max_num_seqs,
+            c.max_num_batched_tokens,
+            c.prefill_max_num_seqs,
             ranking=self.priorities,
         )
-        # Sent to the connector, blocks not yet freed: request id -> its sequence.
-        self._handed_off: dict[str, Sequence] = {}
 
     def is_drained(self) -> bool:
         return super().is_drained() and not self._handed_off
@@ -87,7 +72,7 @@ class PrefillEngine(EngineCore):
 
     def _finish_prompt(self, seq: Sequence, started: float, now: float, out: StepOutput) -> None:
         rid, token = seq.request_id, seq.last_token_id
-        reason = check_stop(token, seq.num_output_tokens, seq.sampling, self.eos_token_ids)
+        reason = self.stop(token, seq.num_tokens, seq.num_output_tokens, seq.sampling)
         out.tokens.append(TokenOutput(rid, 0, [token], reason, scheduled_at=started))
         if reason is None:
             t0 = time.perf_counter()
@@ -103,19 +88,13 @@ class PrefillEngine(EngineCore):
                 out.transfers.append(
                     KVTransferStat(desc.transport, desc.nbytes, time.perf_counter() - t0)
                 )
-            # The next hop's priority: the effective one now, aging included; the short-prompt
-            # boost stays here (it answers prefill's backlog, not decode's).
-            aged = self.priorities.effective(
-                seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
-            )
-            out.handoffs.append(Handoff(rid, seq.output_token_ids, desc, wire_priority(aged)))
+            self._hand_off(seq, desc, now, out)
         else:
             self.scheduler.free(seq)
         self._retire(rid, out)
 
     def _free_handed_off(self, now: float) -> None:
-        senders = (self.connector,) if self.spill is None else (self.connector, self.spill)
-        for sender in senders:
+        for sender in self.connectors:
             for rid in sender.pop_freeable(now):
                 seq = self._handed_off.pop(rid, None)
                 if seq is not None:

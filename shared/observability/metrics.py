@@ -57,27 +57,18 @@ class Metrics:
     """Every Baton metric, registered on ``self.registry`` (never on the global registry).
 
     Attributes are plain prometheus-client objects: ``metrics.generation_tokens.inc(n)``,
-    ``metrics.request_errors.labels(code="timeout").inc()``.
+    ``metrics.request_errors.labels(code="timeout").inc()``. Every metric is declared through
+    :meth:`counter`, :meth:`gauge` or :meth:`histogram` (the ``baton:`` prefix, this registry),
+    here or in a subclass that adds a front's own (the gateway's ``GatewayMetrics``).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-
-        def histogram(
-            name: str, doc: str, buckets: Sequence[float], labels: Iterable[str] = ()
-        ) -> Histogram:
-            return Histogram(PREFIX + name, doc, tuple(labels), registry=r, buckets=buckets)
-
-        def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
-            return Gauge(PREFIX + name, doc, tuple(labels), registry=r)
-
-        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
-            # prometheus-client appends _total itself; pass the name without it.
-            return Counter(PREFIX + name.removesuffix("_total"), doc, tuple(labels), registry=r)
-
+        histogram, gauge, counter = self.histogram, self.gauge, self.counter
         self.service_info = Info(
-            PREFIX + "service", "Service identity and settings (constant 1).", registry=r
+            PREFIX + "service",
+            "Service identity and settings (constant 1).",
+            registry=self.registry,
         )
 
         # --- per-request latency (vLLM names) --------------------------------------------------
@@ -304,6 +295,21 @@ class Metrics:
             "kv_handoff_fallbacks_total",
             "Handoffs that went through the spill store because the configured transport cannot "
             "work here (only with BATON_KV_FALLBACK=spill).",
+        )
+
+    # --- the one way to declare a metric ---------------------------------------------------------
+    def histogram(
+        self, name: str, doc: str, buckets: Sequence[float], labels: Iterable[str] = ()
+    ) -> Histogram:
+        return Histogram(PREFIX + name, doc, tuple(labels), registry=self.registry, buckets=buckets)
+
+    def gauge(self, name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
+        return Gauge(PREFIX + name, doc, tuple(labels), registry=self.registry)
+
+    def counter(self, name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+        # prometheus-client appends _total itself; pass the name with or without it.
+        return Counter(
+            PREFIX + name.removesuffix("_total"), doc, tuple(labels), registry=self.registry
         )
 
     def set_kv_blocks(self, num_used_blocks: int, num_free_blocks: int) -> None:

@@ -68,22 +68,26 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_mb={config.kv_cache_mb} holds no block of {self.block_bytes} bytes"
             )
-        max_len = min(config.max_model_len, cfg.max_position_embeddings)
+        # Staging is planned for the longest sequence the model and the configuration allow; the
+        # cache's own bound comes with the plan.
+        model_len = Limits.build(config, cfg.max_position_embeddings).max_model_len
         self.tiers = TierLayout.plan(
             num_on_device,
             kv_host_cache_bytes // self.block_bytes,
-            -(-max_len // self.block_size),
+            -(-model_len // self.block_size),
         )
         # The block manager's blocks: the device pool and the host tier (staging is neither).
         self.num_kv_blocks = self.tiers.num_blocks
-        if self.tiers.num_host_blocks and self.max_seq_tokens < max_len:
+        # The lengths this engine serves, built once: what the engine core checks and stops at.
+        self.limits = Limits.build(config, cfg.max_position_embeddings, self.max_seq_tokens)
+        if self.tiers.num_host_blocks and self.limits.max_model_len < model_len:
             log.warning(
                 "host KV tier: staging takes at most half the device's blocks, so sequences are "
                 "cut to what it holds; raise kv_cache_mb to serve max_model_len",
-                max_model_len=max_len,
+                max_model_len=model_len,
                 max_seq_tokens=self.max_seq_tokens,
             )
-        check_sliding_window(cfg, config, self.max_seq_tokens)
+        check_sliding_window(cfg, self.limits.max_model_len)
         self.model_config: ModelConfig
         self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
         kv_shape = (
@@ -269,7 +273,7 @@ class ModelRunner:
         )
 
 
-def check_sliding_window(cfg: ModelConfig, config: BatonConfig, num_cache_tokens: int) -> None:
+def check_sliding_window(cfg: ModelConfig, max_model_len: int) -> None:
     """Refuse a sliding-window model whose sequences could outgrow the window.
 
     The engine computes full attention; that equals sliding-window attention exactly while every
@@ -279,9 +283,6 @@ def check_sliding_window(cfg: ModelConfig, config: BatonConfig, num_cache_tokens
     window = cfg.sliding_window
     if window is None:
         return
-    max_model_len = Limits.build(
-        config, cfg.max_position_embeddings, num_cache_tokens
-    ).max_model_len
     if max_model_len > window:
         raise ValueError(
             f"the model uses sliding-window attention (sliding_window={window}) and Baton "

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.limits import check_stop
+from shared.limits import StopRule
 from shared.runtime.block_manager import BlockManager
 from shared.runtime.sequence import Sequence, SequenceStatus
 from shared.scheduling.base import SchedulerBase
@@ -56,14 +56,14 @@ class DecodeScheduler(SchedulerBase):
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        eos_token_ids: frozenset[int],
+        stop: StopRule,
         ranking: Ranking | None = None,
         swap_out: SwapOut | None = None,
     ) -> None:
         super().__init__(block_manager, ranking)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids = eos_token_ids
+        self.stop = stop
         self.swap_out = swap_out
         self.num_preemptions = 0  # by recompute
         self.num_swaps = 0  # preemptions by swap
@@ -165,7 +165,7 @@ class DecodeScheduler(SchedulerBase):
             seq.num_computed_tokens = seq.num_tokens
             seq.append_token(token)
             self.block_manager.cache_computed_blocks(seq)
-            reason = check_stop(token, seq.num_output_tokens, seq.sampling, self.eos_token_ids)
+            reason = self.stop(token, seq.num_tokens, seq.num_output_tokens, seq.sampling)
             if reason is not None:
                 self.free(seq)
                 finished.append(Finished(seq, reason))

@@ -1,9 +1,12 @@
-"""What an engine reports of its state after every step: the scheduling policy's input (it sits
-here, below the engine, so that the policy reads it without importing the engine)."""
+"""What an engine reports of its state after every step: the scheduling policy's input and the
+engine's gauges (it sits here, below the engine, so that the policy reads it without importing the
+engine)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shared.scheduling.priority import PriorityState
 
 
 @dataclass(frozen=True)
@@ -17,3 +20,4 @@ class EngineLoad:
     num_free_blocks: int = 0
     num_host_blocks_used: int = 0  # of the used blocks, those in the host tier
     num_staged_blocks: int = 0  # host tier -> device pool copies since start (cumulative)
+    priority: PriorityState = field(default_factory=PriorityState)  # its waiting queue's aging

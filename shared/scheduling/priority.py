@@ -9,14 +9,14 @@ A request that waited longer than ``horizon`` ranks ahead of every request that 
 moment, so its wait is bounded by the horizon plus the time to serve what arrived before it: a
 bounded multiple of the median (``tests/scheduling/test_policy_priority.py`` simulates it).
 
-On the wire the effective priority is cut to the AMQP range 0..9 (:func:`wire_priority`); inside a
-worker the waiting queue orders by the uncut value, so among requests that all aged to the top
-the oldest goes first.
+On the wire the effective priority is cut to the AMQP range 0..9 (:meth:`Prioritizer.wire_priority`,
+the one place a hop's priority is made: tokenizer, prefill's handoffs, decode's swapped-out
+requests); inside a worker the waiting queue orders by the uncut value, so among requests that all
+aged to the top the oldest goes first.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.config import BatonConfig
-from shared.wire.queues import MAX_PRIORITY
+from shared.wire.priority import MAX_PRIORITY, clamp_priority
 
 if TYPE_CHECKING:
     from shared.runtime.sequence import Sequence
@@ -62,10 +62,13 @@ def effective_priority(
     return priority + boost + aging
 
 
-def wire_priority(effective: float) -> int:
-    """The AMQP priority of an effective priority: rounded down (a level is earned in full) and
-    cut to 0..MAX_PRIORITY."""
-    return max(0, min(MAX_PRIORITY, math.floor(effective)))
+@dataclass(frozen=True)
+class PriorityState:
+    """A :class:`Prioritizer`'s figures, for metrics (an engine reports them in its load)."""
+
+    horizon_s: float | None = None  # None: no aging
+    median_wait_s: float | None = None  # None: too few requests started yet
+    boosting: bool = False  # short prompts boosted (the prefill backlog is deep)
 
 
 class Prioritizer:
@@ -137,6 +140,17 @@ class Prioritizer:
         which has its own backlog, continues from)."""
         extra = self.boost(num_prompt_tokens) if boost else 0.0
         return effective_priority(priority, max(0.0, now - arrival), self.horizon_s, extra)
+
+    def wire_priority(
+        self, priority: int, arrival: float, num_prompt_tokens: int, now: float, boost: bool = True
+    ) -> int:
+        """The AMQP priority of the next hop: the effective priority at ``now``, cut to the
+        contract's range. ``boost=False`` from an engine (the short-prompt boost answers
+        prefill's backlog and stays there)."""
+        return clamp_priority(self.effective(priority, arrival, num_prompt_tokens, now, boost))
+
+    def state(self) -> PriorityState:
+        return PriorityState(self.horizon_s, self.median_wait_s, self.boosting)
 
     def rank(self, seq: Sequence) -> float:
         """The waiting-queue key (higher first): the effective priority at time 0."""

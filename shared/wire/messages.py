@@ -58,7 +58,6 @@ __all__ = [
 # 3: StartInfo.batch_replies (the client's reply queue takes batches, see replies.py).
 SCHEMA_VERSION = 3
 MAX_REQUEST_ID_CHARS = 256
-MAX_PRIORITY = 9
 
 
 def _check_version(d: dict[str, Any], kind: str) -> None:

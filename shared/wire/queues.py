@@ -10,6 +10,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from shared.wire.priority import MAX_PRIORITY
+
 REQUESTS_QUEUE = "baton.requests"
 PREFILL_QUEUE = "baton.prefill"
 DECODE_QUEUE = "baton.decode"
@@ -18,7 +20,6 @@ WORK_QUEUES = (REQUESTS_QUEUE, PREFILL_QUEUE, DECODE_QUEUE)
 CONTROL_EXCHANGE = "baton.control"
 DEAD_LETTER_EXCHANGE = "baton.dlx"
 DEAD_LETTER_QUEUE = "baton.dead"
-MAX_PRIORITY = 9
 
 WORK_QUEUE_ARGS: dict[str, Any] = {
     "x-max-priority": MAX_PRIORITY + 1,

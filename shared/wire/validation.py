@@ -12,13 +12,8 @@ from typing import Any
 
 from shared.config import BatonConfig
 from shared.wire.errors import ErrorCode, ProtocolError
-from shared.wire.messages import (
-    MAX_PRIORITY,
-    MAX_REQUEST_ID_CHARS,
-    RequestMsg,
-    SamplingParams,
-    unpack,
-)
+from shared.wire.messages import MAX_REQUEST_ID_CHARS, RequestMsg, SamplingParams, unpack
+from shared.wire.priority import check_priority, clamp_priority
 from shared.wire.sampling import DEFAULT_MAX_TOKENS
 
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -32,13 +27,18 @@ def _bad(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.INVALID_REQUEST, message)
 
 
-def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+def _integer(d: dict[str, Any], key: str, default: int) -> int:
     v = d.get(key, default)
     if v is None:
         return default
     # bool is an int in Python; a client sending true for max_tokens has a bug worth reporting.
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(f"{key} must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = _integer(d, key, default)
     if not lo <= v <= hi:
         raise _bad(f"{key} must be in [{lo}, {hi}], got {v}")
     return v
@@ -118,7 +118,7 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
         prompt_token_ids=token_ids,
         stop=_parse_stop(d.get("stop"), config),
         stream=_bool(d, "stream", True),
-        priority=_int(d, "priority", 0, 0, MAX_PRIORITY),
+        priority=check_priority(_integer(d, "priority", 0)),
         timeout_s=timeout_s,
         batch_replies=_bool(d, "batch_replies", False),
     )
@@ -135,11 +135,6 @@ def parse_request(
     if d.get("priority") is None and header_priority is not None:
         req = replace(req, priority=clamp_priority(header_priority))
     return req
-
-
-def clamp_priority(value: int) -> int:
-    """An AMQP priority (an octet, 0..255) into the contract's range 0..9."""
-    return min(max(int(value), 0), MAX_PRIORITY)
 
 
 def _parse_messages(v: Any) -> tuple[tuple[str, str], ...]:

@@ -1,5 +1,5 @@
 """The engine core without a broker: the verbs' results, aborts, deadlines, failing forwards,
-requests that end at their first token, max_tokens clamped to the cache, and no leaked blocks.
+requests that end at their first token, sequences ending at the cache's length, no leaked blocks.
 
 Both engines are the production ones on the tiny llama, wired by ``EnginePair`` (plumbing that
 moves handoffs and releases between them); some tests drive one engine's ``step`` directly.
@@ -86,7 +86,7 @@ def test_add_results(tmp_path: Path) -> None:
     pair.run()
     assert pair.finish == {"a": "length", "in-time": "length", "fits": "length"}
     assert [len(pair.tokens[r]) for r in ("a", "in-time", "fits")] == [4, 4, 1]
-    assert "fits" not in pair.handoffs  # max_tokens clamped to 1: it ended at prefill
+    assert "fits" not in pair.handoffs  # its first token filled max_model_len: it ended at prefill
     pair.assert_clean()
 
 
@@ -302,7 +302,7 @@ def test_eos_as_first_token_ends_at_prefill_unless_ignored(tmp_path: Path) -> No
     pair.assert_clean()
 
 
-def test_max_tokens_is_clamped_to_the_cache_capacity(tmp_path: Path) -> None:
+def test_sequences_end_at_the_cache_capacity(tmp_path: Path) -> None:
     """Decode holds 64 tokens: a 40-token prompt asking for 100 gets 24, ending with length,
     the same 24 it gets when it asks for exactly that."""
     params = SamplingParams(max_tokens=100, ignore_eos=True)
@@ -314,7 +314,7 @@ def test_max_tokens_is_clamped_to_the_cache_capacity(tmp_path: Path) -> None:
     exact = make_pair(tmp_path / "exact")
     exact.add("r", prompt(40), SamplingParams(max_tokens=24, ignore_eos=True))
     assert exact.run()["r"] == pair.tokens["r"]
-    # Clamped in prefill too: a prompt filling all but one slot ends at its first token.
+    # Prefill too: a prompt filling all but one slot ends at its first token.
     small = make_pair(tmp_path / "prefill", prefill_blocks=4)
     small.add("full", prompt(63), params)
     small.run()

@@ -108,6 +108,6 @@ def test_sequences_swapped_out_on_one_decode_worker_resume_on_the_other(
 def test_recompute_mode_keeps_the_sequence_here(model_dir: Path, tmp_path: Path) -> None:
     cfg = engine_config(model_dir, 10, spill_dir=str(tmp_path), decode_preemption="recompute")
     engine = build_decode_engine(cfg, model_dir)
-    assert engine.swap is None and engine.scheduler.swap_out is None
+    assert engine.spill is None and engine.scheduler.swap_out is None
     with pytest.raises(ValueError, match="BATON_DECODE_PREEMPTION"):
         build_decode_engine(cfg.replace(decode_preemption="drop"), model_dir)

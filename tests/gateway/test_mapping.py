@@ -14,9 +14,11 @@ from services.gateway.errors import ApiError, from_error_reply, from_exception
 from services.gateway.service import GatewayConfigError, check_exposure, is_loopback
 from shared.client import BatonConnectionLost, BatonUnavailable
 from shared.config import BatonConfig
+from shared.limits import Limits
 from shared.wire.messages import DoneReply, ErrorReply
 
 CONFIG = BatonConfig()
+LIMITS = Limits.build(CONFIG, max_position_embeddings=4096)
 
 
 def test_completion_fields_map_onto_a_baton_request() -> None:
@@ -36,11 +38,19 @@ def test_completion_fields_map_onto_a_baton_request() -> None:
 def test_openai_defaults_where_they_differ_from_batons() -> None:
     completion = parse_completion({"prompt": "hi"}, CONFIG)
     assert completion.baton["max_tokens"] == 16 and completion.baton["temperature"] == 1.0
-    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, CONFIG)
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, CONFIG, LIMITS)
     assert chat.baton["max_tokens"] == min(CONFIG.max_model_len, CONFIG.max_tokens_limit)
+    # The model's length counts too: a model of 1,024 positions runs to 1,024 at most.
+    short = Limits.build(CONFIG, max_position_embeddings=1024)
+    assert (
+        parse_chat({"messages": [{"role": "user", "content": "hi"}]}, CONFIG, short).baton[
+            "max_tokens"
+        ]
+        == 1024
+    )
     both = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
-    assert parse_chat({**both, "max_completion_tokens": 9}, CONFIG).baton["max_tokens"] == 9
-    assert parse_chat(both, CONFIG).baton["max_tokens"] == 3
+    assert parse_chat({**both, "max_completion_tokens": 9}, CONFIG, LIMITS).baton["max_tokens"] == 9
+    assert parse_chat(both, CONFIG, LIMITS).baton["max_tokens"] == 3
 
 
 @pytest.mark.parametrize(
@@ -109,11 +119,11 @@ def test_completion_refusals_name_the_field(body: dict[str, object], param: str)
 def test_chat_messages(messages: list[dict[str, object]], ok: bool) -> None:
     body = {"messages": messages}
     if ok:
-        out = parse_chat(body, CONFIG).baton["messages"]
+        out = parse_chat(body, CONFIG, LIMITS).baton["messages"]
         assert all(isinstance(m["content"], str) for m in out)
     else:
         with pytest.raises(ApiError):
-            parse_chat(body, CONFIG)
+            parse_chat(body, CONFIG, LIMITS)
 
 
 def test_chat_refuses_logprobs_and_tools() -> None:
@@ -121,9 +131,9 @@ def test_chat_refuses_logprobs_and_tools() -> None:
     for extra in ({"logprobs": True}, {"top_logprobs": 2}, {"tools": [{"type": "function"}]},
                   {"response_format": {"type": "json_object"}}, {"n": 2}):  # fmt: skip
         with pytest.raises(ApiError) as info:
-            parse_chat({**base, **extra}, CONFIG)
+            parse_chat({**base, **extra}, CONFIG, LIMITS)
         assert info.value.status == 400 and info.value.param == next(iter(extra))
-    assert parse_chat({**base, "logprobs": False, "top_logprobs": 0}, CONFIG).chat
+    assert parse_chat({**base, "logprobs": False, "top_logprobs": 0}, CONFIG, LIMITS).chat
 
 
 def test_model_must_be_the_served_one() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config import BatonConfig
-from shared.limits import Limits
+from shared.limits import Limits, StopRule
 from shared.runtime.block_manager import BlockManager
 from shared.runtime.sequence import Sequence, SequenceStatus
 from shared.scheduling import DecodeScheduler, DecodeStep
@@ -19,9 +19,10 @@ def decode(
     max_num_seqs: int = 8,
     budget: int = 64,
     prefix_caching: bool = True,
+    max_model_len: int = 4096,
 ) -> DecodeScheduler:
     bm = BlockManager(num_blocks, BS, prefix_caching)
-    return DecodeScheduler(bm, max_num_seqs, budget, frozenset({EOS}))
+    return DecodeScheduler(bm, max_num_seqs, budget, StopRule(frozenset({EOS}), max_model_len))
 
 
 def handoff(rid: str, num_prompt: int, **kw: object) -> Sequence:
@@ -118,18 +119,18 @@ def test_finish_on_max_tokens() -> None:
     assert a.num_output_tokens == 3
 
 
-def test_finish_at_max_model_len_through_the_clamped_max_tokens() -> None:
-    """No length rule of its own: the engine clamped max_tokens to what fits (``Limits``)."""
-    limits = Limits(max_model_len=10, max_prompt_tokens=9, max_tokens=100)
-    ds = decode()
-    a = handoff("a", 7)  # 8 tokens
-    a.sampling = limits.clamp(a.sampling, a.num_prompt_tokens)
-    assert a.sampling.max_tokens == 3
+def test_finish_at_max_model_len_whatever_max_tokens_asks() -> None:
+    """max_tokens is trusted (the tokenizer clamped it to its own limits), but a handoff may come
+    from a worker with a larger cache: the stop rule still ends the sequence at this engine's
+    max_model_len."""
+    limits = Limits.build(BatonConfig(), 4096, num_cache_tokens=10)
+    ds = decode(max_model_len=limits.max_model_len)
+    a = handoff("a", 7)  # 8 tokens, asking for 100
     ds.add(a)
     admit_loaded(ds)
     assert step(ds)[1] == []
     assert step(ds)[1] == [("a", "length")]
-    assert a.num_tokens == limits.max_model_len
+    assert a.num_tokens == limits.max_model_len == 10
 
 
 def test_several_sequences_decode_together() -> None:
@@ -187,12 +188,11 @@ def test_preempted_sequence_is_requeued_in_front_of_its_class() -> None:
 
 
 def test_lone_sequence_finishes_at_cache_capacity_instead_of_preempting_itself() -> None:
-    ds = decode(num_blocks=2, prefix_caching=False)  # 8 tokens of cache
     limits = Limits.build(BatonConfig(), 4096, num_cache_tokens=8)
+    ds = decode(num_blocks=2, prefix_caching=False, max_model_len=limits.max_model_len)
     assert not limits.fits(8)  # 8 tokens could never take another step: the engine refuses
-    a = handoff("a", 6)  # 7 tokens
+    a = handoff("a", 6)  # 7 tokens, asking for 100: the stop rule ends it at 8
     assert limits.fits(a.num_tokens)
-    a.sampling = limits.clamp(a.sampling, a.num_prompt_tokens)  # 2 outputs at most
     ds.add(a)
     (a,) = admit_loaded(ds)
     st, finished = step(ds)

@@ -20,9 +20,9 @@ from shared.scheduling.priority import (
     effective_priority,
     short_prompt_boost,
     victim_order,
-    wire_priority,
 )
 from shared.scheduling.waiting_queue import WaitingQueue
+from shared.wire.priority import clamp_priority
 from tests.scheduling.helpers import seq
 
 
@@ -45,7 +45,9 @@ def test_effective_priority_gains_the_whole_range_over_one_horizon() -> None:
     ("effective", "wire"), [(-1.0, 0), (0.0, 0), (4.99, 4), (5.0, 5), (9.0, 9), (23.7, 9)]
 )
 def test_wire_priority_rounds_down_into_the_amqp_range(effective: float, wire: int) -> None:
-    assert wire_priority(effective) == wire
+    assert clamp_priority(effective) == wire
+    arrived = 100.0  # waited 0: the effective priority is the client's
+    assert prioritizer().wire_priority(effective, arrived, 10, now=arrived) == wire
 
 
 def test_horizon_is_a_multiple_of_the_median_with_a_floor() -> None:
@@ -199,11 +201,11 @@ def test_the_boost_does_not_override_a_big_priority_gap() -> None:
 def test_tokenizer_view_of_the_effective_priority() -> None:
     """What the tokenizer publishes: waited 0, boost only under pressure."""
     p = prioritizer(short_boost=True, short_boost_backlog=4, short_prompt_boost=2.0)
-    assert wire_priority(p.effective(3, 100.0, 10, now=100.0)) == 3
+    assert p.wire_priority(3, 100.0, 10, now=100.0) == 3
     p.observe_backlog(4)
-    assert wire_priority(p.effective(3, 100.0, 10, now=100.0)) == 4  # 3 + 1.92
-    assert wire_priority(p.effective(9, 100.0, 10, now=100.0)) == 9  # capped
-    assert wire_priority(p.effective(3, 100.0, 10, now=100.0, boost=False)) == 3
+    assert p.wire_priority(3, 100.0, 10, now=100.0) == 4  # 3 + 1.92
+    assert p.wire_priority(9, 100.0, 10, now=100.0) == 9  # capped
+    assert p.wire_priority(3, 100.0, 10, now=100.0, boost=False) == 3
 
 
 # --- preemption victims -----------------------------------------------------------------------
