@@ -8,7 +8,7 @@ installed wherever it runs:
 
 - ``services/``, ``shared/``, ``kernels/``: the dependencies alone (the services' image);
 - ``loadtest/``: those and the ``loadtest`` extra (Locust in the image, the benchmarks);
-- ``tests/``, ``scripts/``: every extra (``make test``).
+- ``tests/``, ``scripts/``, ``deploy/``: every extra (``make test``, ``make compose-check``).
 
 A module counts as declared when a distribution that provides it (``packages_distributions``) is
 declared there or is a dependency, at any depth, of one that is (``requires``, markers and
@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 tomllib = pytest.importorskip("tomllib", reason="stdlib from Python 3.11")
 
 REPO = Path(__file__).resolve().parent.parent
-OWN = {"services", "shared", "kernels", "loadtest", "tests"}
+OWN = {"services", "shared", "kernels", "loadtest", "tests", "deploy"}
 # folder -> the extras installed wherever its code runs (beside the dependencies)
 SCOPES = {
     "services": (),
@@ -42,6 +42,7 @@ SCOPES = {
     "loadtest": ("loadtest",),
     "tests": ("test", "loadtest"),
     "scripts": ("test", "loadtest"),
+    "deploy": ("test", "loadtest"),
 }
 # Imported by code that runs in another interpreter, never in Baton's environment.
 ELSEWHERE = {
