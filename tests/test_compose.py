@@ -362,6 +362,9 @@ def test_images_without_a_registry(runner: list[str]) -> None:
     assert "25672" in published and "35672" in published, published
     default = _resolved(runner, "cpu")["services"]
     assert default["decode"]["build"]["args"]["BASE_IMAGE"] == "", "the Dockerfile's default"
+    # A local wheel is the CPU image's: the GPU stack never installs it.
+    gpu = _resolved(runner, "gpu-default", BATON_TORCH_WHEEL="torch-x.whl")["services"]
+    assert "TORCH_WHEEL" not in gpu["decode"]["build"]["args"]
 
 
 def test_local_rabbitmq_image_matches_compose() -> None:
