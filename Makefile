@@ -1,9 +1,10 @@
 # `make demo` runs the whole system on the built-in tiny model and streams real replies.
 # `make test` runs the test suite (unit, integration against the real RabbitMQ, kernels).
+# `make compose-check` builds the images and runs the real Compose stack (minutes; not in `test`).
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: setup broker demo test lint bench
+.PHONY: setup broker demo test lint bench compose-check
 setup:
 	bash scripts/setup.sh
 
@@ -21,3 +22,6 @@ lint:
 
 bench: setup broker
 	$(PYTHON) -m loadtest.bench --spawn
+
+compose-check: setup
+	$(PYTHON) -m deploy.compose_check

@@ -80,8 +80,10 @@ class BatonUser(User):
         self.connection = pika.BlockingConnection(pika.URLParameters(self.url))
         self.channel = self.connection.channel()
         self.channel.confirm_delivery()  # unroutable mandatory publishes raise UnroutableError
-        declared = self.channel.queue_declare(queue="", exclusive=True, auto_delete=True)
-        self.reply_queue = declared.method.queue
+        # Named as the client library names its reply queues: a broker user of the client role
+        # (Compose's baton-client) may declare and read baton.reply.* and nothing server-named.
+        self.reply_queue = f"baton.reply.locust-{uuid.uuid4().hex}"
+        self.channel.queue_declare(queue=self.reply_queue, exclusive=True, auto_delete=True)
         self.channel.basic_consume(self.reply_queue, self._on_reply, auto_ack=True)
 
     def on_stop(self) -> None:

@@ -8,12 +8,14 @@ interpolates and validates.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ import yaml
 
 from services.shell.permissions import ROLES, password_env
 from services.shell.registry import SERVICES
+
+tomllib = pytest.importorskip("tomllib", reason="stdlib from Python 3.11")
 
 REPO = Path(__file__).resolve().parent.parent
 # The registry is the one service list: every registered service is a Compose service of the
@@ -61,11 +65,21 @@ def _runners() -> list[Any]:
 RUNNERS = _runners()
 
 
+@functools.cache
+def _empty_env() -> Path:
+    """An empty env file (Compose refuses /dev/null: "not a file")."""
+    path = Path(tempfile.gettempdir()) / f"baton-test-empty-{os.getuid()}.env"
+    path.write_text("")
+    return path
+
+
 def _compose(runner: list[str], files: list[str] | None, **env: str) -> subprocess.CompletedProcess:
-    # Only what we pass: a developer's BATON_* / COMPOSE_FILE must not change the result.
+    # Only what we pass: a developer's BATON_* / COMPOSE_FILE, or the .env that docs/deploy.md
+    # has them write beside compose.yaml, must not change the result.
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "COMPOSE_"))}
     clean.update(env)
-    argv = [*runner, *(a for f in files or [] for a in ("-f", f)), "config"]
+    argv = [*runner, "--env-file", str(_empty_env()), *(a for f in files or [] for a in ("-f", f))]
+    argv.append("config")
     return subprocess.run(argv, cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
 
 
@@ -268,7 +282,16 @@ def test_loadtest_profile(runner: list[str]) -> None:
 
 def test_dockerfile() -> None:
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert dockerfile.startswith("#") and "\nFROM python:3.11-slim\n" in dockerfile
+    assert dockerfile.startswith("#")
+    # The base is a build argument whose default is the official image (deploy/base-images.sh
+    # builds a replacement where Docker Hub cannot be reached).
+    froms = re.findall(r"^FROM\s+(\S+)", dockerfile, re.M)
+    assert froms[0] == "${BASE_IMAGE:-python:3.11-slim}", froms
+    assert re.search(r"^ARG BASE_IMAGE\s*$", dockerfile, re.M), "declared before the first FROM"
+    # The local wheels and CA bundle are copied in a build stage only, never into the image.
+    final = dockerfile.rsplit("\nFROM ", 1)[1]
+    assert "deploy/local" not in final and "COPY --from=deps /opt/venv" in final
+    assert "ARG TORCH_WHEEL" in dockerfile and "--no-build-isolation" in final
     users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0"), "the services must not run as root"
     healthcheck = re.search(r"^HEALTHCHECK .*\n(.*\n)*?\s*CMD (.*)$", dockerfile, re.M)
@@ -276,8 +299,12 @@ def test_dockerfile() -> None:
     assert "/health" in healthcheck.group(2)
     assert "ARG TORCH_INDEX" in dockerfile
     ignored = (REPO / ".dockerignore").read_text().split()
-    for entry in ("models/", ".git/", "out/", "**/__pycache__/"):
+    for entry in ("models/", ".git/", "out/", "**/__pycache__/", "deploy/*", "!deploy/local/"):
         assert entry in ignored, entry
+    # Every package the project installs is copied into the image (and nothing else is needed).
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pattern in packages["packages"]["find"]["include"]:
+        assert f"COPY {pattern.rstrip('*')}/ " in final, pattern
 
 
 def test_dockerfile_reads_requirements_from_pyproject(tmp_path: Path) -> None:
@@ -316,6 +343,42 @@ def test_gateway_service(runner: list[str], variant: str) -> None:
         assert ports[0].startswith("127.0.0.1:") and ports[0].split("/")[0].endswith(":8000")
     assert "8000" in gateway["healthcheck"]["test"] and "/health" in gateway["healthcheck"]["test"]
     assert not _gpu_devices(gateway)
+
+
+def test_images_without_a_registry(runner: list[str]) -> None:
+    """deploy/base-images.sh's variables: the base and the broker image are replaced, the torch
+    wheel named, host ports moved; the official images stay the defaults (test_stack_shape)."""
+    services = _resolved(
+        runner, "cpu", BATON_BASE_IMAGE="baton-python:3.11-bookworm",
+        BATON_RABBITMQ_IMAGE="baton-rabbitmq:bookworm", BATON_TORCH_WHEEL="torch-x.whl",
+        BATON_AMQP_HOST_PORT="25672", BATON_MANAGEMENT_HOST_PORT="35672",
+    )["services"]  # fmt: skip
+    assert services["rabbitmq"]["image"] == "baton-rabbitmq:bookworm"
+    for name in (*WORKERS, "broker-init", "gateway", "loadtest"):
+        args = services[name]["build"]["args"]
+        assert args["BASE_IMAGE"] == "baton-python:3.11-bookworm", name
+        assert args["TORCH_WHEEL"] == "torch-x.whl", name
+    published = " ".join(str(p) for p in services["rabbitmq"]["ports"])
+    assert "25672" in published and "35672" in published, published
+    default = _resolved(runner, "cpu")["services"]
+    assert default["decode"]["build"]["args"]["BASE_IMAGE"] == "", "the Dockerfile's default"
+    # A local wheel is the CPU image's: the GPU stack never installs it.
+    gpu = _resolved(runner, "gpu-default", BATON_TORCH_WHEEL="torch-x.whl")["services"]
+    assert "TORCH_WHEEL" not in gpu["decode"]["build"]["args"]
+
+
+def test_local_rabbitmq_image_matches_compose() -> None:
+    """The broker image deploy/base-images.sh builds is checked healthy by the same command as
+    compose.yaml's, and has the management plugin on."""
+    dockerfile = (REPO / "deploy/images/rabbitmq.Dockerfile").read_text()
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    test = compose["services"]["rabbitmq"]["healthcheck"]["test"]
+    healthcheck = re.search(r"^HEALTHCHECK .*\n\s*CMD (.*)$", dockerfile, re.M)
+    assert healthcheck and json.loads(healthcheck.group(1)) == test[1:], test
+    assert "rabbitmq-plugins enable --offline rabbitmq_management" in dockerfile
+    script = (REPO / "deploy/base-images.sh").read_text()
+    assert "debootstrap --variant=minbase bookworm" in script and "docker import" in script
+    assert subprocess.run(["bash", "-n", str(REPO / "deploy/base-images.sh")]).returncode == 0
 
 
 def test_gateway_needs_auth_when_published(runner: list[str]) -> None:

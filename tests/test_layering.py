@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("shared", "services", "kernels", "loadtest")
+FIRST_PARTY = ("shared", "services", "kernels", "loadtest", "deploy")
 
 FLOORS: list[set[str]] = [
     {"shared.config"},
@@ -34,6 +34,7 @@ FLOORS: list[set[str]] = [
     },
     {"services.launcher", "services.__main__"},
     {"loadtest"},
+    {"deploy"},  # make compose-check: drives the whole stack from outside, as a user would
 ]
 FLOOR_OF = {unit: level for level, units in enumerate(FLOORS) for unit in units}
 
