@@ -16,6 +16,7 @@ full, the victim stays here and recomputes (``recompute`` mode always does).
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import structlog
 
@@ -33,6 +34,7 @@ from shared.kv_transfer.connector import KVConnector
 from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
+from shared.scheduling.prefill_scheduler import PrefillBatch
 from shared.scheduling.priority import wire_priority
 from shared.wire.messages import KVDescriptor, KVRelease
 
@@ -154,9 +156,14 @@ class DecodeEngine(EngineCore):
             return out
         t0 = time.perf_counter()
         seqs = [*sched.recompute.seqs, *sched.decode]
-        tokens = self._forward(seqs, out, lambda: self._run(sched))
-        if tokens is None:
+        num_recompute = len(sched.recompute.seqs)
+        step = sched
+        results = self._forward(seqs, out, lambda rows: self._run(step, rows))
+        if not results:
             return out
+        if len(results) < len(seqs):  # a request failed alone: the rest of the step goes on
+            sched = _surviving(sched, results)
+        tokens = [cast(int, results[r]) for r in sorted(results) if r >= num_recompute]
         forward_s = time.perf_counter() - t0
         reasons = {f.seq.request_id: f.reason for f in self.scheduler.update(sched, tokens)}
         for seq, token in zip(sched.decode, tokens, strict=True):
@@ -178,10 +185,18 @@ class DecodeEngine(EngineCore):
         )
         return out
 
-    def _run(self, sched: DecodeStep) -> list[int]:
-        if sched.recompute.seqs:
-            self.runner.prefill(sched.recompute.seqs, sched.recompute.num_new_tokens)
-        return self.runner.decode(sched.decode)
+    def _run(self, sched: DecodeStep, rows: list[int]) -> list[int | None]:
+        """The step's forward over ``rows`` of [*recompute, *decode]: None for a recompute row,
+        the sampled token for a decode row."""
+        recompute = sched.recompute
+        num_recompute = len(recompute.seqs)
+        again = [r for r in rows if r < num_recompute]
+        if again:
+            self.runner.prefill(
+                [recompute.seqs[r] for r in again], [recompute.num_new_tokens[r] for r in again]
+            )
+        decode = self.runner.decode([sched.decode[r - num_recompute] for r in rows[len(again) :]])
+        return [None] * len(again) + list(decode)
 
     def _load(self, seq: Sequence, out: StepOutput) -> None:
         """Copy an admitted sequence's KV in; blocks that were prefix hits here already hold it."""
@@ -214,3 +229,16 @@ class DecodeEngine(EngineCore):
             self.connector.reclaim_orphans(now)
             if self.swap is not None:
                 self.swap.reclaim_orphans(now)
+
+
+def _surviving(sched: DecodeStep, results: dict[int, int | None]) -> DecodeStep:
+    """The step without the rows that failed alone (``results``: rows that ran)."""
+    recompute = sched.recompute
+    n = len(recompute.seqs)
+    kept = [r for r in range(n) if r in results]
+    return DecodeStep(
+        decode=[seq for r, seq in enumerate(sched.decode, n) if r in results],
+        recompute=PrefillBatch(
+            [recompute.seqs[r] for r in kept], [recompute.num_new_tokens[r] for r in kept]
+        ),
+    )

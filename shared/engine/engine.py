@@ -181,20 +181,34 @@ class EngineCore(ABC):
             self._drop(rid)
             out.retired.append(rid)
 
-    def _forward(self, seqs: list[Sequence], out: StepOutput, fn: Callable[[], T]) -> T | None:
-        """Run a forward; if it raises, end its requests with ``internal`` rather than retrying a
-        batch that may fail forever — every other request keeps being served."""
+    def _forward(
+        self, seqs: list[Sequence], out: StepOutput, run: Callable[[list[int]], list[T]]
+    ) -> dict[int, T]:
+        """``run(rows)``: the forward over ``seqs[rows]``, one result per row. Returns the
+        results by row of every sequence that ran.
+
+        If the batch raises, the request that causes it is found and fails alone (``isolate``):
+        the others keep their results, computed in smaller forwards (a forward writes only its
+        own rows' KV slots, and sampling is a function of seed and position, so a row run again
+        writes and samples the same). Rows that fail even alone end with ``internal`` rather
+        than being retried forever; a failure no row reproduces alone fails nobody."""
+        rows = list(range(len(seqs)))
         try:
-            return fn()
+            return dict(zip(rows, run(rows), strict=True))
         except Exception as exc:
-            reason = f"{self.kind} failed: {type(exc).__name__}"
-            log.exception("forward failed; failing its requests", count=len(seqs))
-            for seq in seqs:
-                if seq.request_id in self.requests:
-                    self._drop(seq.request_id)
-                    out.errors.append(RequestError(seq.request_id, ErrorCode.INTERNAL, reason))
-                    out.retired.append(seq.request_id)
-            return None
+            log.exception("forward failed; isolating the request that fails", count=len(seqs))
+            error = exc
+        results: dict[int, T] = {}
+        failed = isolate(rows, run, results) if len(rows) > 1 else [(0, error)]
+        for row, cause in failed:
+            seq = seqs[row]
+            reason = f"{self.kind} failed: {type(cause).__name__}"
+            log.error("the request fails its forward alone", request_id=seq.request_id)
+            if seq.request_id in self.requests:
+                self._drop(seq.request_id)
+                out.errors.append(RequestError(seq.request_id, ErrorCode.INTERNAL, reason))
+                out.retired.append(seq.request_id)
+        return results
 
     def _stats(
         self,
@@ -220,3 +234,19 @@ class EngineCore(ABC):
             swaps_out_total=swaps_out_total,
             swaps_in_total=swaps_in_total,
         )
+
+
+def isolate(
+    rows: list[int], run: Callable[[list[int]], list[T]], results: dict[int, T]
+) -> list[tuple[int, Exception]]:
+    """``rows`` failed together (two or more): run each half, and split what fails again, until
+    every row either ran (its result in ``results``) or failed alone — returned with its error.
+    One bad row among n costs about 2·log2(n) extra forwards, each smaller than the batch."""
+    failed: list[tuple[int, Exception]] = []
+    half = len(rows) // 2
+    for part in (rows[:half], rows[half:]):
+        try:
+            results.update(zip(part, run(part), strict=True))
+        except Exception as exc:
+            failed += [(part[0], exc)] if len(part) == 1 else isolate(part, run, results)
+    return failed

@@ -115,6 +115,17 @@ class Metrics:
         self.request_errors = counter(
             "request_errors_total", "Requests answered with an error, by error code.", ["code"]
         )
+        self.request_goodput = counter(
+            "request_goodput_total",
+            "Requests finished within the objectives BATON_SLO_TTFT_S and BATON_SLO_TPOT_S, "
+            "by the client's priority (services/detokenizer/goodput.py).",
+            ["priority"],
+        )
+        self.request_slo_judged = counter(
+            "request_slo_judged_total",
+            "Requests judged against the objectives (every terminal reply), by priority.",
+            ["priority"],
+        )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.redelivered_messages = counter(

@@ -77,9 +77,7 @@ def batch(tag: str) -> list[RequestMsg]:
     return msgs
 
 
-def check(
-    log: ReplyLog, ids: list[str], reference: list[list[int]], *, detokenizer_crashed: bool = False
-) -> None:
+def check(log: ReplyLog, ids: list[str], reference: list[list[int]]) -> None:
     for rid, ref in zip(ids, reference, strict=True):
-        done = log.check_stream(rid, detokenizer_crashed=detokenizer_crashed)
+        done = log.check_stream(rid)
         assert done.finish_reason == "length" and done.token_ids == ref, rid
