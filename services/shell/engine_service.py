@@ -316,6 +316,7 @@ class EngineService(ABC):
         for stat in out.transfers:
             metrics.on_transfer(stat)
         metrics.on_connector(self.engine.connector.stats())
+        metrics.on_kv_reclaimed(self.engine.kv_reclaimed())
         if out.releases:
             self.publish_releases(out.releases)
         if not out and not self.events:

@@ -70,8 +70,6 @@ class DecodeEngine(EngineCore):
         self.num_swaps_in = 0
         self._kv: dict[str, KVDescriptor] = {}  # not yet loaded, by request id
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
-        self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
-        self._last_reclaim = time.time()
 
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
         result = super().add(req, now)
@@ -149,7 +147,6 @@ class DecodeEngine(EngineCore):
         self._started(admitted, now)
         for seq in admitted:
             self._load(seq, out)
-        self._reclaim_orphans(now)
         sched = self.scheduler.schedule()
         self._hand_on_swapped(now, out)  # victims of admit() and schedule()
         if not sched:
@@ -223,12 +220,8 @@ class DecodeEngine(EngineCore):
             self.num_swaps_in += 1
             log.info("swapped in", request_id=seq.request_id, num_tokens=desc.num_tokens)
 
-    def _reclaim_orphans(self, now: float) -> None:
-        if now - self._last_reclaim >= self._reclaim_interval_s:
-            self._last_reclaim = now
-            self.connector.reclaim_orphans(now)
-            if self.swap is not None:
-                self.swap.reclaim_orphans(now)
+    def kv_connectors(self) -> list[KVConnector]:
+        return [self.connector, *([self.swap] if self.swap is not None else [])]
 
 
 def _surviving(sched: DecodeStep, results: dict[int, int | None]) -> DecodeStep:

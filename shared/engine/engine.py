@@ -62,6 +62,8 @@ class EngineCore(ABC):
         self.requests: dict[str, Sequence] = {}  # every request this engine owns, by id
         self._deadlines: dict[str, float] = {}
         self._aborted = ExpiringIdSet()
+        self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
+        self._last_reclaim = time.time()
 
     # --- verbs ----------------------------------------------------------------------------------
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
@@ -122,9 +124,24 @@ class EngineCore(ABC):
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    def kv_connectors(self) -> list[KVConnector]:
+        """Every connector this engine sends or receives KV through."""
+        return [self.connector]
+
+    def kv_reclaimed(self) -> dict[tuple[str, str], int]:
+        """Orphaned KV its connectors freed, cumulative, by (kind, reason)
+        (``KVConnector.reclaimed``)."""
+        total: dict[tuple[str, str], int] = {}
+        for connector in self.kv_connectors():
+            for key, n in connector.reclaimed().items():
+                total[key] = total.get(key, 0) + n
+        return total
+
     def step(self, now: float | None = None) -> StepOutput:
         """Expire, schedule, run one forward, update; returns what to publish."""
-        out = self._step(time.time() if now is None else now)
+        now = time.time() if now is None else now
+        self._reclaim_orphans(now)
+        out = self._step(now)
         bm = self.block_manager
         tier = self.runner.host_tier
         out.load = EngineLoad(
@@ -168,6 +185,15 @@ class EngineCore(ABC):
         if tier is None:
             return nullcontext(block_ids)
         return tier.device_ids(block_ids, read=read, write=write)
+
+    def _reclaim_orphans(self, now: float) -> None:
+        """Every engine sweeps what no receiver will take (spill entries nobody loaded, dead
+        senders' pools; a sender's expired leases free themselves in ``pop_freeable``): the KV
+        a dead peer left is reclaimed whichever side survives."""
+        if now - self._last_reclaim >= self._reclaim_interval_s:
+            self._last_reclaim = now
+            for connector in self.kv_connectors():
+                connector.reclaim_orphans(now)
 
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""

@@ -53,6 +53,9 @@ class PrefillEngine(EngineCore):
         # Sent to the connector, blocks not yet freed: request id -> its sequence.
         self._handed_off: dict[str, Sequence] = {}
 
+    def kv_connectors(self) -> list[KVConnector]:
+        return [self.connector, *([self.spill] if self.spill is not None else [])]
+
     def is_drained(self) -> bool:
         return super().is_drained() and not self._handed_off
 

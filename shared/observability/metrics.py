@@ -303,6 +303,13 @@ class Metrics:
             "kv_leases_expired_total",
             "Sender: pinned handoffs freed by lease expiry (the receiver never released them).",
         )
+        self.kv_orphans_reclaimed = counter(
+            "kv_orphans_reclaimed_total",
+            "KV freed because no receiver would take it, by kind (spill_entries, pool_blocks, "
+            "pool_files) and reason (unclaimed, lease_expired, owner_dead); every engine "
+            "that reclaims counts its own.",
+            ["kind", "reason"],
+        )
         self.kv_map_failures = counter(
             "kv_map_failures_total",
             "Receiver: handoffs whose sender pool could not be mapped; recomputed instead.",

@@ -251,6 +251,26 @@ def test_a_failing_recompute_in_decode_fails_only_its_batch(
     pair.assert_clean()
 
 
+def test_prefill_reclaims_its_own_unclaimed_entries_when_no_decode_takes_them(
+    tmp_path: Path,
+) -> None:
+    """Decode is gone (its handoffs are never taken): prefill's own sweep deletes the spill
+    entries it wrote once they are older than BATON_SPILL_ORPHAN_TIMEOUT_S, and counts them."""
+    timeout = {"spill_orphan_timeout_s": 4.0}
+    pair = make_pair(tmp_path, prefill=timeout, decode=timeout)
+    for i in range(3):
+        pair.add(f"r{i}", prompt(12, seed=i), greedy(6, ignore_eos=True))
+    handoffs = prefill_only(pair)
+    assert len(handoffs) == 3 and len(spilled(pair)) == 3
+    later = time.time() + 10
+    with torch_threads(1):
+        pair.prefill.step(later)
+    assert spilled(pair) == []
+    assert pair.prefill.kv_reclaimed() == {("spill_entries", "unclaimed"): 3}
+    for h in handoffs.values():  # a decode that comes back finds the KV gone: recompute
+        assert h.kv is not None and not pair.decode.connector.load(h.kv, [0], 0).loaded
+
+
 # --- requests that end early ------------------------------------------------------------------
 
 

@@ -46,6 +46,14 @@ def service_processes(
             procs.stop()
 
 
+def start_replica(procs: ServiceProcesses, name: str, instance: str) -> int:
+    """Start another process of service ``name``, with /metrics on a free port of its own
+    (returned)."""
+    port = free_port_block(1)
+    procs.start(name, instance=instance, env={"BATON_METRICS_PORT": str(port)})
+    return port
+
+
 def scrape(port: int) -> dict[str, float]:
     """A service's /metrics as ``{"name{label=value,...}": value}`` ({} while it is down)."""
     try:
