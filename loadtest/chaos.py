@@ -2,7 +2,8 @@
 checked by a client that speaks the queue contract directly.
 
     python -m loadtest.chaos --minutes 10 --kill-every-s 30      # the long run (the soak)
-    python -m loadtest.chaos --seed 7 --json chaos.json          # replay a run by its seed
+    python -m loadtest.chaos --minutes 0.75 --kills 20 --max-tokens 120 --requests 64 --seed 29
+                                                                 # CI's run, replayed by its seed
 
 Two processes of each service (tokenizer, prefill, decode, detokenizer) in a fresh vhost. The
 client is plain aio-pika: no client library, no deduplication — it publishes request maps to
@@ -350,7 +351,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         plan = Plan.draw(
             args.seed,
             system.instances,
-            num_requests=args.requests or args.prompts,
+            num_requests=args.requests or max(args.prompts, int(args.rate * 0.75 * window_s)),
             num_prompts=args.prompts,
             window_s=window_s,
             num_kills=num_kills,
@@ -374,8 +375,9 @@ def main() -> None:
     p.add_argument("--kill-every-s", type=float, default=30.0)
     p.add_argument("--kills", type=int, default=None, help="instead of --kill-every-s")
     p.add_argument("--prompts", type=int, default=64, help="distinct prompts (the reference)")
-    p.add_argument("--requests", type=int, default=None, help="default: one per prompt")
-    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--requests", type=int, default=None, help="default: --rate over the sends")
+    p.add_argument("--rate", type=float, default=2.0, help="requests/s while sending")
+    p.add_argument("--max-tokens", type=int, default=150)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()

@@ -1,5 +1,5 @@
 """Every reply a set of requests gets, read off a raw reply queue of our own: the fault tests'
-and the soak's view. The client library would drop repeats and stop at the first terminal
+view. The client library would drop repeats and stop at the first terminal
 reply; this log keeps them all, to check what the contract promises a raw client: exactly one
 terminal reply per request, and each stream position once, in order (``stream_gaps``)."""
 
