@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from loadtest.reply_log import ReplyLog
 from services.launcher import ServiceProcesses, free_port_block, fresh_vhost
@@ -74,6 +75,20 @@ async def poll_metric(
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"{name} on :{port} is {value} after {timeout_s}s")
         await asyncio.sleep(every_s)
+
+
+async def check_nothing_leaked(procs: ServiceProcesses, ports: Iterable[int] = ()) -> None:
+    """No KV block in use in prefill, decode or the engines on ``ports`` (replicas), and the
+    spill store empty (within a minute: orphans go at BATON_SPILL_ORPHAN_TIMEOUT_S)."""
+    for port in (procs.metrics_port("prefill"), procs.metrics_port("decode"), *ports):
+        await poll_metric(port, "baton:kv_blocks_used", lambda v: v == 0, timeout_s=60)
+    spill = Path(procs.spill_dir)
+    for _ in range(120):
+        entries = [p for p in spill.rglob("*") if p.is_file()] if spill.exists() else []
+        if not entries:
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"spill entries left after 60 s: {entries}")
 
 
 def batch(tag: str) -> list[RequestMsg]:

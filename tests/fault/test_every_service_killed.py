@@ -21,7 +21,6 @@ import dataclasses
 import os
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aio_pika
 import pytest
@@ -33,13 +32,11 @@ from tests.fault.harness import (
     ReplyLog,
     batch,
     check,
-    poll_metric,
+    check_nothing_leaked,
     service_processes,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-USED = "baton:kv_blocks_used"
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +81,6 @@ async def run_with_fault(
         await result
     await log.wait(ids, 300)
     return ids
-
-
-async def check_nothing_leaked(procs: ServiceProcesses) -> None:
-    for name in ("prefill", "decode"):
-        await poll_metric(procs.metrics_port(name), USED, lambda v: v == 0, timeout_s=60)
-    spill = Path(procs.spill_dir)
-    for _ in range(120):
-        entries = [p for p in spill.rglob("*") if p.is_file()] if spill.exists() else []
-        if not entries:
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"spill entries left after 60 s: {entries}")
 
 
 @pytest.mark.parametrize("victim", ["tokenizer", "prefill", "decode", "detokenizer"])
