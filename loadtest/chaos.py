@@ -81,7 +81,8 @@ def say(msg: str) -> None:
 @dataclass(frozen=True)
 class Plan:
     """A run, drawn from its seed: when each request is sent (seconds after the start, with its
-    prompt), when each kill strikes, whom, and how long the victim stays down."""
+    prompt), when each kill strikes (one in each ``window / num_kills`` slice), whom, and how
+    long the victim stays down."""
 
     seed: int
     sends: tuple[tuple[float, int], ...]  # (at, prompt index)
@@ -102,10 +103,11 @@ class Plan:
         sends = sorted(
             (rng.uniform(0, 0.75 * window_s), i % num_prompts) for i in range(num_requests)
         )
-        kills = sorted(
-            (rng.uniform(0.05 * window_s, window_s), rng.choice(instances), rng.uniform(0.1, 1.5))
-            for _ in range(num_kills)
-        )
+        every = window_s / max(1, num_kills)  # one kill in each slice, at a random moment
+        kills = [
+            ((k + rng.random()) * every, rng.choice(instances), rng.uniform(0.1, 1.5))
+            for k in range(num_kills)
+        ]
         return cls(seed, tuple(sends), tuple(kills))
 
 
