@@ -196,6 +196,8 @@ class DetokenizerService:
             acks += self.ledger.release(rid)
         outs = reply_messages(out.replies, out.batchable)
         outs += mark_messages(stream_marks(out), self.config.detok_shards)
+        if not (outs or acks or unreadable):  # inputs held for later: nothing to commit
+            return
         task = asyncio.create_task(self._commit(out, outs, acks, unreadable, self._channel))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
