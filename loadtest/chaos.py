@@ -10,7 +10,8 @@ client is plain aio-pika: no client library, no deduplication — it publishes r
 ``baton.requests`` and keeps every reply in the order it came (``raw_wire.py``). First an
 undisturbed run of the prompts gives the reference tokens (greedy and seeded sampling
 alternate). Then requests are sent at random moments while a driver SIGKILLs a random process
-at random moments and restarts it after a moment. Everything random is drawn from ``--seed``: a failing run replays.
+at random moments and restarts it after a moment. Everything random is drawn from ``--seed``:
+a failing run replays.
 
 Per request it counts (``raw_wire.Counts``): exactly one terminal reply or not, extra terminal
 replies, token positions repeated, missing or out of order, text that does not continue the
