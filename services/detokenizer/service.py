@@ -47,6 +47,7 @@ from services.detokenizer.ledger import DeliveryLedger
 from services.detokenizer.marks import mark_messages, stream_marks
 from services.shell.common import resolve_model_dir
 from services.shell.shell import ServiceShell
+from services.shell.tx_outbox import channel_of
 from shared.config import BatonConfig
 from shared.wire.messages import ControlMsg, DetokMsg, ProtocolError
 from shared.wire.queues import detok_queues
@@ -163,7 +164,10 @@ class DetokenizerService:
         unreadable = []
         while self._inbox:
             delivery = self._inbox.popleft()
-            self._channel = delivery.channel
+            came_on = channel_of(delivery)
+            if came_on is None:  # its channel closed: requeued, and the state is being reset
+                continue
+            self._channel = came_on
             try:
                 msg = DetokMsg.decode(delivery.body, self.config.max_message_bytes)
             except ProtocolError as exc:

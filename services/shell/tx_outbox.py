@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import aiormq.abc
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
+from aio_pika.exceptions import ChannelInvalidStateError
 
 from services.shell.broker import Broker, Outgoing
 
@@ -80,9 +81,12 @@ class TxOutbox:
         commit's error; nothing of the item is then known to be applied."""
         item = _Item(list(outs), list(acks), list(rejects), list(requeues), channel)
         for delivery in (*item.acks, *item.rejects, *item.requeues):
+            came_on = channel_of(delivery)
+            if came_on is None:
+                raise StaleChannel("its inputs' channel is gone")
             if item.channel is None:
-                item.channel = delivery.channel
-            elif delivery.channel is not item.channel:
+                item.channel = came_on
+            elif came_on is not item.channel:
                 raise ValueError("one transaction settles deliveries of one channel")
         self._pending.append(item)
         if self._committer is None or self._committer.done():
@@ -90,8 +94,11 @@ class TxOutbox:
         await asyncio.shield(item.done)
 
     def close(self) -> None:
+        """Stopping: nothing more is committed; what waits fails (its inputs come again)."""
         if self._committer is not None:
             self._committer.cancel()
+        _fail(self._pending, StaleChannel("the service is stopping"))
+        self._pending = []
 
     async def _run(self) -> None:
         while self._pending:
@@ -138,6 +145,14 @@ class TxOutbox:
             for delivery in item.requeues:
                 await delivery.nack(requeue=True)
         await channel.tx_commit(timeout=COMMIT_TIMEOUT_S)
+
+
+def channel_of(delivery: AbstractIncomingMessage) -> aiormq.abc.AbstractChannel | None:
+    """The channel a delivery came on, or None once it is closed (the broker requeued it)."""
+    try:
+        return delivery.channel
+    except ChannelInvalidStateError:
+        return None
 
 
 def _fail(items: list[_Item], exc: BaseException) -> None:
