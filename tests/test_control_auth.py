@@ -39,6 +39,9 @@ def test_the_rule() -> None:
     assert auth.may_cancel("alice", "alice")
     assert not auth.may_cancel("alice", "bob") and not auth.may_cancel("alice", None)
     assert not auth.may_cancel(None, None)  # an unstamped request is nobody's to cancel
+    operators_only = ControlAuth(BatonConfig(operators="b-ops"))
+    assert operators_only.may_abort("guest")  # no trusted publishers named: aborts as before
+    assert not operators_only.may_drain("guest")
 
 
 def test_the_detokenizer_core_honours_only_the_owners_cancel() -> None:

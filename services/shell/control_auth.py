@@ -36,7 +36,7 @@ class ControlAuth:
         return not self.checking or user_id in self.operators
 
     def may_abort(self, user_id: str | None) -> bool:
-        return not self.checking or user_id in self.trusted
+        return not self.trusted or user_id in self.trusted
 
     def may_cancel(self, owner: str | None, user_id: str | None) -> bool:
         """``owner``: who published the request. A request or cancel that names no user is
