@@ -30,6 +30,10 @@ class BatonConfig:
     # a message's user_id, and any user that may publish to the default exchange reaches every
     # queue. `python -m services.shell.permissions apply` prints the value for its users.
     trusted_publishers: str = ""
+    # Broker users whose ``drain`` on baton.control is honoured (comma-separated). With this or
+    # trusted_publishers set, a drain from anyone else is logged and ignored; with neither (one
+    # shared user in development) anyone's is honoured. services/shell/control_auth.py.
+    operators: str = ""
     # Largest message body any service will unpack; everything bigger is refused unread.
     max_message_bytes: int = 1 << 20
     # A work message whose deliveries ended this many times without it being finished (its
@@ -172,6 +176,11 @@ class BatonConfig:
     # longest request plus one registration per request not yet answered. The window only bounds
     # memory against a flood; if it ever fills, requests end at their deadlines.
     detok_max_unacked: int = 50_000
+    # Service-level objectives of goodput (``baton:request_goodput_total``): a finished request
+    # meets them if its time to first token and its mean time per output token are at most
+    # these (seconds; 0 = no objective on that one).
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
     # --- KV transport -------------------------------------------------------------------------
     kv_transport: str = "shm"  # "shm" | "pool" (CPU, same node) | "cuda-ipc" | "mooncake"
     # "spill": a transport that cannot work here falls back to the spill store, counted and

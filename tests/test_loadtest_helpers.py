@@ -346,7 +346,7 @@ def test_mixed_workload_phases_and_report(tmp_path: Path) -> None:
     assert (tmp_path / "m.png").stat().st_size > 0
 
 
-# --- ReplyLog.check_stream: a repeated terminal reply ------------------------------------------
+# --- ReplyLog.check_stream: the raw stream, strictly ------------------------------------------
 
 
 def _done(text: str, e2e_s: float) -> DoneReply:
@@ -354,12 +354,16 @@ def _done(text: str, e2e_s: float) -> DoneReply:
     return DoneReply("r", text, [5, 6], "length", usage, {"e2e_s": e2e_s})
 
 
-def test_a_repeated_terminal_reply_passes_only_after_a_detokenizer_crash() -> None:
+def test_check_stream_allows_one_terminal_and_each_position_once() -> None:
     log = ReplyLog("amqp://unused/")
-    log.replies["r"] = [TokenReply("r", "ab", [5, 6], 0, 0), _done("ab", 1.0), _done("ab", 2.5)]
+    log.replies["r"] = [TokenReply("r", "a", [5], 0, 0), TokenReply("r", "b", [6], 1, 1)]
+    log.replies["r"].append(_done("ab", 1.0))
+    assert log.check_stream("r").text == "ab" and log.num_repeated(["r"]) == 0
+    log.replies["r"].append(_done("ab", 2.5))  # a repeated answer: never, even an equal one
     with pytest.raises(AssertionError):
         log.check_stream("r")
-    assert log.check_stream("r", detokenizer_crashed=True).text == "ab"  # timings may differ
-    log.replies["r"][-1] = _done("ax", 2.5)  # a different answer is never allowed
-    with pytest.raises(AssertionError):
-        log.check_stream("r", detokenizer_crashed=True)
+    log.replies["r"] = [TokenReply("r", "ab", [5, 6], 0, 0), TokenReply("r", "b", [6], 1, 1)]
+    log.replies["r"].append(_done("ab", 1.0))  # position 1 twice: a replayed stream
+    assert log.num_repeated(["r"]) == 1
+    with pytest.raises(AssertionError, match="expected 2/2"):
+        log.check_stream("r")

@@ -10,24 +10,37 @@ before passing it on), so it alone decides when a request is over and answers ex
 
 Every output is a function of the inputs' order, never of timing except for where stream
 batches are cut: replayed from the same inputs after a crash (see ``ledger.py``), a fresh core
-emits the same text at the same positions and text offsets, so a client can drop what it has.
+rebuilds the same text at the same positions and text offsets. A replayed request resumes its
+stream after the last position that was committed (its stream mark, ``marks.py``): positions
+before it are applied silently, so a client sees each position once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
 from services.detokenizer.incremental import Decode, IncrementalDetokenizer
 from shared.wire.errors import ErrorCode
-from shared.wire.messages import DoneReply, ErrorReply, Reply, StartInfo, TokenEvent, TokenReply
+from shared.wire.messages import (
+    DoneReply,
+    ErrorReply,
+    Reply,
+    StartInfo,
+    StreamMark,
+    TokenEvent,
+    TokenReply,
+)
 
 log = structlog.get_logger(__name__)
 
 # Events for a request whose start has not arrived (redelivery can reorder) wait this long.
 ORPHAN_EVENT_TTL_S = 60.0
+# (the request's owner, the cancel's sender) -> honour it? (services/shell/control_auth.py)
+CancelRule = Callable[[str | None, str | None], bool]
 
 
 @dataclass
@@ -43,6 +56,8 @@ class _Request:
     batch_index: int | None = None
     batch_token_ids: list[int] = field(default_factory=list)
     last_flush_at: float | None = None
+    resume: StreamMark | None = None  # replayed: positions before it were streamed already
+    cancel_at_resume: bool = False  # cancelled while its replay had not caught up yet
 
 
 @dataclass
@@ -67,8 +82,10 @@ class DetokenizerCore:
         max_finished: int = 200_000,
         stream_interval_s: float = 0.0,
         max_stream_replies_per_s: float = 0.0,
+        may_cancel: CancelRule = lambda owner, sender: True,
     ) -> None:
         self._decode = decode
+        self._may_cancel = may_cancel
         # Streamed tokens of a request are coalesced into one reply per interval (the first
         # token and the terminal reply are never held back): the broker's message rate, not
         # the model, is the limit on small machines. 0 = one reply per batch.
@@ -80,22 +97,28 @@ class DetokenizerCore:
         self._active: dict[str, _Request] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._max_finished = max_finished
-        self._cancelled_early: OrderedDict[str, float] = OrderedDict()
+        # cancels of requests not registered yet: request id -> the sender
+        self._cancelled_early: OrderedDict[str, str | None] = OrderedDict()
         self._orphans: dict[str, list[tuple[float, TokenEvent]]] = {}
+        self._resume: dict[str, tuple[float, StreamMark]] = {}  # marks waiting for their start
 
     @property
     def num_active(self) -> int:
         return len(self._active)
 
     def is_live(self, request_id: str) -> bool:
-        """Not answered yet, and known here (registered, or events waiting for the start)."""
-        return request_id in self._active or request_id in self._orphans
+        """Not answered yet, and known here (registered, or events or a mark waiting for the
+        start)."""
+        return (
+            request_id in self._active or request_id in self._orphans or request_id in self._resume
+        )
 
     def reset(self) -> None:
         """Forget every unanswered request (their inputs will be redelivered and replayed,
         here or on another replica); what was answered stays answered."""
         self._active.clear()
         self._orphans.clear()
+        self._resume.clear()
         self._cancelled_early.clear()
 
     # --- inputs ---------------------------------------------------------------------------------
@@ -105,11 +128,17 @@ class DetokenizerCore:
             return  # duplicate registration (redelivered)
         lazy = not info.stream and not info.stop  # its text is only needed at the end
         req = _Request(info, IncrementalDetokenizer(self._decode, info.stop, lazy=lazy))
+        resume = self._resume.pop(rid, None)
+        if resume is not None and resume[1].next_index > 0:
+            req.resume = resume[1]
         self._active[rid] = req
         orphans = self._orphans.pop(rid, [])  # taken either way: a cancel makes them moot
-        if self._cancelled_early.pop(rid, None) is not None:
-            self._finish(req, "cancelled", now, out)
-            return
+        if rid in self._cancelled_early:
+            sender = self._cancelled_early.pop(rid)
+            if self._may_cancel(info.owner, sender):
+                self._finish(req, "cancelled", now, out)
+                return
+            log.warning("cancel from another user ignored", request_id=rid, user_id=sender)
         for _, ev in orphans:
             self._apply(req, ev, now, out)
 
@@ -121,6 +150,17 @@ class DetokenizerCore:
             return
         self._apply(req, ev, now, out)
 
+    def resume(self, mark: StreamMark, now: float) -> None:
+        """A committed stream mark. Read before the request's start when it is replayed (marks
+        overtake starts and events in the shard: ``marks.py``); a live request's own mark, read
+        back, changes nothing."""
+        rid = mark.request_id
+        if rid in self._active or rid in self._finished:
+            return
+        kept = self._resume.get(rid)
+        if kept is None or mark.next_index >= kept[1].next_index:
+            self._resume[rid] = (now, mark)
+
     def fail(self, request_id: str, message: str, out: Output) -> None:
         """Processing this request raised: answer it ``internal`` (and forget its orphans)."""
         req = self._active.get(request_id)
@@ -129,24 +169,38 @@ class DetokenizerCore:
         elif self._orphans.pop(request_id, None) is not None:
             out.dropped.append(request_id)
 
-    def cancel(self, request_id: str, now: float, out: Output) -> None:
+    def cancel(self, request_id: str, now: float, out: Output, sender: str | None = None) -> None:
+        """A client's cancel from broker user ``sender``: honoured if the request's owner
+        may be cancelled by it (``may_cancel``)."""
         req = self._active.get(request_id)
-        if req is not None:
+        if req is not None and not self._may_cancel(req.info.owner, sender):
+            log.warning("cancel from another user ignored", request_id=request_id, user_id=sender)
+        elif req is not None and req.resume is not None:
+            req.cancel_at_resume = True  # once the replay has caught up with what was streamed
+        elif req is not None:
             self._finish(req, "cancelled", now, out)
         elif request_id not in self._finished:
             # Still upstream (tokenizer queue): answer as soon as its start arrives.
-            self._cancelled_early[request_id] = now
+            self._cancelled_early[request_id] = sender
             while len(self._cancelled_early) > self._max_finished:
                 self._cancelled_early.popitem(last=False)
 
     def expire(self, now: float, out: Output) -> None:
         """Answer every request whose deadline passed; drop stale orphan events."""
         for req in [r for r in self._active.values() if r.info.deadline is not None]:
-            if now >= req.info.deadline:  # type: ignore[operator]
+            deadline: float = req.info.deadline  # type: ignore[assignment]
+            if req.resume is not None:  # a replay catches up first (its events are on the way)
+                deadline += ORPHAN_EVENT_TTL_S
+            if now >= deadline:
                 self._finish(req, "timeout", now, out)
         for rid in [r for r, evs in self._orphans.items() if now - evs[0][0] > ORPHAN_EVENT_TTL_S]:
             log.warning("dropping events of an unknown request", request_id=rid)
             del self._orphans[rid]
+            out.dropped.append(rid)
+        # A mark whose start never came: the request was answered (its start acked with the
+        # terminal reply) while the mark was still held for others.
+        for rid in [r for r, (t, _) in self._resume.items() if now - t > ORPHAN_EVENT_TTL_S]:
+            del self._resume[rid]
             out.dropped.append(rid)
 
     @property
@@ -193,11 +247,24 @@ class DetokenizerCore:
                 self._finish(req, nxt.finish_reason, now, out)
             elif req.next_index >= req.info.max_tokens:  # decode says so too; never exceed it
                 self._finish(req, "length", now, out)
+            elif req.cancel_at_resume and req.resume is None:
+                self._finish(req, "cancelled", now, out)
 
     def _add_tokens(self, req: _Request, ids: list[int], now: float) -> None:
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now
+        if req.resume is not None:  # replayed: what was streamed before the crash, silently
+            quiet = ids[: max(0, req.resume.next_index - req.next_index)]
+            if quiet:
+                req.detok.add(quiet)
+                req.next_index += len(quiet)
+            ids = ids[len(quiet) :]
+            if req.next_index >= req.resume.next_index:
+                req.detok.skip_streamed(req.resume.text_offset)
+                req.resume = None
+            if not ids:
+                return
         if req.batch_index is None:
             req.batch_index = req.next_index
         req.batch_token_ids.extend(ids)
@@ -223,7 +290,9 @@ class DetokenizerCore:
         req.detok.finish()
         if req.detok.stopped and reason not in ("cancelled", "timeout"):
             reason = "stop"  # the flush completed a stop string (it ended in a split character)
-        if info.stream and req.batch_index is None:
+        if req.resume is not None:  # ended before its replay caught up: nothing more to stream
+            req.detok.skip_streamed(req.resume.text_offset)
+        elif info.stream and req.batch_index is None:
             # Nothing new this batch, but text held back (a stop-string prefix, a split
             # character) is final now: stream it so the deltas add up to the done text.
             offset = req.detok.num_streamed_chars

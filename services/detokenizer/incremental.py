@@ -67,6 +67,11 @@ class IncrementalDetokenizer:
         """Characters of the text handed out so far: the offset of the next delta."""
         return self._streamed
 
+    def skip_streamed(self, num_chars: int) -> None:
+        """The first ``num_chars`` characters were handed out already (by the instance this one
+        replays): the next delta starts after them."""
+        self._streamed = max(self._streamed, num_chars)
+
     def take_delta(self, final: bool = False) -> str:
         """Text not yet streamed; keeps back a possible stop-string prefix unless ``final``."""
         limit = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback

@@ -6,29 +6,19 @@ answered is processed together, so a streaming request gets one ``token`` reply 
 than one per decode step when the broker or this process falls behind.
 
 Crash safety and replicas: the input is sharded by request id (``baton.detok.<n>``), and an
-input message is acked only once every request it carries has its terminal reply confirmed
-(``ledger.py``). Each shard has a single active consumer; every replica consumes every shard,
-its home shard at once and the others one ``detok_standby_delay_s`` apart, so replicas started
-together split the shards and each is the standby of the others. When a replica dies (or its
-channel does), the broker hands its shards' unacked messages to the next consumer, which replays
-them into a fresh state.
+input message is acked only once every request it carries is answered (``ledger.py``). Each
+shard has a single active consumer; every replica consumes every shard, its home shard at once
+and the others one ``detok_standby_delay_s`` apart, so replicas started together split the
+shards and each is the standby of the others. When a replica dies (or its channel does), the
+broker hands its shards' unacked messages to the next consumer, which replays them into a fresh
+state.
 
-Sending is pipelined: a batch's replies are published at once, and the next batch is processed
-while their confirms are pending (up to ``MAX_SENDS_IN_FLIGHT`` batches), instead of every input
-waiting out the previous batch's confirm — a persistent message's confirm waits for the broker's
-disk (measured under a flood: confirm p90 15 ms, max 60 ms, and a priority-9 request's first
-token waited for it behind the flood's replies). What each batch does once confirmed (acks,
-ledger, metrics) still runs in batch order, so an input is acked only after every reply made
-from it, and from earlier inputs, is confirmed. Publishes go out in batch order on one channel,
-so replies arrive in order; a batch's unconfirmed replies (a lost connection, a broker node
-killed) are retried only once every earlier batch is confirmed; a batch goes out ahead of the
-previous one's confirm only on the channel that one took (a reconnect opens a new one, and
-nothing orders messages across two) and while no batch is retrying, so retries keep that order
-too (a later batch overtaking an earlier one's retry left a gap in a stream: the broker-restart
-and broker-cluster tests). A reply the broker nacks while later ones are confirmed
-is still republished after them, which a client's position-based dedup
-(``shared/client/dedup.py``) drops from the stream — the terminal reply carries the whole text —
-as it already did within one batch.
+Exactly once: a batch's replies, its stream marks (``marks.py``) and the acks of the inputs it
+finished are one AMQP transaction on the consume channel (``services/shell/tx_outbox.py``). A
+crash before the commit leaves nothing of the batch; after it, the replay resumes each stream
+after its mark and never meets an answered request again (its start was acked with its
+terminal reply). Batches commit in order, grouped while a commit is pending; a commit that fails
+closes the channel, the broker requeues every unacked input, and the state is rebuilt from them.
 
 A ``drain`` control message is ignored here: the detokenizer alone answers every accepted
 request, including those still queued upstream of a drained worker (their deadlines, cancels).
@@ -37,25 +27,27 @@ request, including those still queued upstream of a drained worker (their deadli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiormq.abc
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from transformers import AutoTokenizer
 
 from services.detokenizer.batching import reply_messages
 from services.detokenizer.core import DetokenizerCore, Output
+from services.detokenizer.goodput import Goodput
 from services.detokenizer.ledger import DeliveryLedger
+from services.detokenizer.marks import mark_messages, stream_marks
 from services.shell.common import resolve_model_dir
-from services.shell.shell import ServiceShell, ack
+from services.shell.shell import ServiceShell
+from services.shell.tx_outbox import channel_of
 from shared.config import BatonConfig
 from shared.wire.messages import ControlMsg, DetokMsg, ProtocolError
 from shared.wire.queues import detok_queues
@@ -63,15 +55,6 @@ from shared.wire.queues import detok_queues
 log = structlog.get_logger(__name__)
 
 SWEEP_INTERVAL_S = 0.05
-MAX_SENDS_IN_FLIGHT = 8  # batches whose confirms are awaited while the next ones are processed
-
-
-@dataclass
-class _Batch:
-    """One batch's send: its task, and the channel its first attempt went out on."""
-
-    task: asyncio.Task[None] | None = None
-    channel: object | None = None
 
 
 def make_decoder(model_dir: Path):  # type: ignore[no-untyped-def]
@@ -87,22 +70,27 @@ class DetokenizerService:
 
     def __init__(self, config: BatonConfig, model_dir: Path) -> None:
         self.config = config
+        # A wide window: the ledger holds messages until their requests finish, and a window they
+        # filled would stop the deliveries they wait for (see detok_max_unacked).
+        self.shell = ServiceShell(
+            config, self.name, prefetch=config.detok_max_unacked, transactional=True
+        )
         self.core = DetokenizerCore(
             make_decoder(model_dir),
             stream_interval_s=config.stream_interval_s,
             max_stream_replies_per_s=config.max_stream_replies_per_s,
+            may_cancel=self.shell.auth.may_cancel,
         )
-        # A wide window: the ledger holds messages until their requests finish, and a window they
-        # filled would stop the deliveries those requests wait for (see detok_max_unacked).
-        self.shell = ServiceShell(config, self.name, prefetch=config.detok_max_unacked)
         self.ledger = DeliveryLedger()
+        self.goodput = Goodput(config, self.shell.metrics.metrics)
         self._inbox: deque[AbstractIncomingMessage] = deque()
-        self._cancels: deque[str] = deque()
+        self._cancels: deque[tuple[str, str | None]] = deque()  # (request id, sender)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._standby_task: asyncio.Task[None] | None = None
-        self._sends: deque[_Batch] = deque()  # in batch order
-        self._retrying = 0  # batches retrying unconfirmed replies: new ones wait their turn
+        self._sends: set[asyncio.Task[None]] = set()
+        # The consume channel the state was built from: a batch commits only on it.
+        self._channel: aiormq.abc.AbstractChannel | None = None
 
     async def start(self) -> None:
         # Not drainable: every accepted request is registered here and must get its one
@@ -130,10 +118,11 @@ class DetokenizerService:
         held = self.ledger.clear()
         self._inbox.clear()
         self.core.reset()
+        self._channel = None
         log.warning("intake channel lost; state dropped for replay", held_messages=held)
 
     async def stop(self) -> None:
-        for task in (self._loop_task, self._standby_task, *(b.task for b in self._sends)):
+        for task in (self._loop_task, self._standby_task, *self._sends):
             if task is not None:
                 task.cancel()
         await self.shell.stop()
@@ -142,9 +131,9 @@ class DetokenizerService:
         self._inbox.append(delivery)
         self._wake.set()
 
-    def on_control(self, ctl: ControlMsg) -> None:
+    def on_control(self, ctl: ControlMsg, sender: str | None) -> None:
         if ctl.type == "cancel" and ctl.request_id is not None:
-            self._cancels.append(ctl.request_id)
+            self._cancels.append((ctl.request_id, sender))
             self._wake.set()
 
     async def _loop(self) -> None:
@@ -158,48 +147,64 @@ class DetokenizerService:
                 pass
             self._wake.clear()
             try:
-                await self._process()
+                self._process()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("detokenizer loop error")
                 await asyncio.sleep(0.1)
 
-    async def _process(self) -> None:
+    def _process(self) -> None:
+        """Apply what arrived, then hand the batch's replies, marks and acks to one commit.
+        Synchronous: the ledger and the core move on together, and a commit that fails resets
+        both (the channel closes and everything unacked is replayed)."""
         now = time.time()
         out = Output()
-        deliveries: list[tuple[AbstractIncomingMessage, set[str]]] = []
+        deliveries: list[tuple[AbstractIncomingMessage, set[str], set[str]]] = []
+        unreadable = []
         while self._inbox:
             delivery = self._inbox.popleft()
+            came_on = channel_of(delivery)
+            if came_on is None:  # its channel closed: requeued, and the state is being reset
+                continue
+            self._channel = came_on
             try:
                 msg = DetokMsg.decode(delivery.body, self.config.max_message_bytes)
             except ProtocolError as exc:
                 log.error("unreadable detok message dead-lettered", reason=exc.message)
-                with contextlib.suppress(Exception):  # channel gone: requeued, refused again
-                    await delivery.reject(requeue=False)
+                unreadable.append(delivery)
                 continue
+            for mark in msg.marks:
+                self._guarded(mark.request_id, out, self.core.resume, mark, now)
             for info in msg.starts:
                 self._guarded(info.request_id, out, self.core.start, info, now, out)
             for ev in msg.events:
                 self._guarded(ev.request_id, out, self.core.event, ev, now, out)
             ids = {info.request_id for info in msg.starts} | {ev.request_id for ev in msg.events}
-            deliveries.append((delivery, ids))
+            deliveries.append((delivery, ids, {m.request_id for m in msg.marks}))
         while self._cancels:
-            self.core.cancel(self._cancels.popleft(), now, out)
+            rid, sender = self._cancels.popleft()
+            self.core.cancel(rid, now, out, sender)
         self.core.expire(now, out)
         self.core.flush(out, now)
-        if not (out.replies or out.aborts or out.finished or out.dropped or deliveries):
+        if not (out.replies or out.aborts or out.finished or out.dropped):
+            if not (deliveries or unreadable):
+                return
+        live = self.core.is_live
+        acks: list[AbstractIncomingMessage] = []
+        for delivery, ids, marked in deliveries:
+            acks += self.ledger.hold(
+                delivery, {r for r in ids if live(r)}, {r for r in marked if live(r)}
+            )
+        for rid in [info.request_id for info, _ in out.finished] + out.dropped:
+            acks += self.ledger.release(rid)
+        outs = reply_messages(out.replies, out.batchable)
+        outs += mark_messages(stream_marks(out), self.config.detok_shards)
+        if not (outs or acks or unreadable):  # inputs held for later: nothing to commit
             return
-        # What each input still waits for, as of this batch: a later batch may finish those
-        # requests before this one is confirmed, and its settling (after this one's) acks them.
-        deliveries = [(d, {rid for rid in ids if self.core.is_live(rid)}) for d, ids in deliveries]
-        while self._sends and (_done(self._sends[0]) or len(self._sends) >= MAX_SENDS_IN_FLIGHT):
-            await _wait(self._sends[0])  # the oldest: the window is full
-            self._sends.popleft()
-        previous = self._sends[-1] if self._sends else None
-        batch = _Batch()
-        batch.task = asyncio.create_task(self._send(out, deliveries, batch, previous))
-        self._sends.append(batch)
+        task = asyncio.create_task(self._commit(out, outs, acks, unreadable, self._channel))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     def _guarded(self, request_id: str, out: Output, apply: Any, *args: Any) -> None:
         """Apply one input; if that raises (a bug, a hostile event), its request alone ends
@@ -210,46 +215,33 @@ class DetokenizerService:
             log.exception("detokenizer failed on a request", request_id=request_id)
             self.core.fail(request_id, "the detokenizer failed on this request", out)
 
-    async def _send(
+    async def _commit(
         self,
         out: Output,
-        deliveries: list[tuple[AbstractIncomingMessage, set[str]]],
-        batch: _Batch,
-        previous: _Batch | None,
+        outs: list[Any],
+        acks: list[AbstractIncomingMessage],
+        rejects: list[AbstractIncomingMessage],
+        channel: aiormq.abc.AbstractChannel | None,
     ) -> None:
-        """Publish one batch's replies now; once they are confirmed and the previous batch is
-        done, ack and account for it (batch order: see the module docstring)."""
+        """One batch's transaction; once committed, what follows from it (aborts, metrics)."""
+        assert self.shell.outbox is not None
         try:
-            # The core has already applied these inputs: a redelivery would be deduplicated and
-            # produce no replies, so the replies themselves are retried until the broker takes
-            # them (the robust connection reconnects meanwhile), in batch order.
-            replies = reply_messages(out.replies, out.batchable)
-            broker = self.shell.broker
-            channel = await broker.publish_channel()
-            # Ahead of the previous batch's confirm only on the channel its first attempt took
-            # (one channel keeps order) and while no batch is retrying; else after it.
-            if previous is not None and not _done(previous):
-                if self._retrying or previous.channel is not channel:
-                    await _wait(previous)
-                    channel = await broker.publish_channel()
-            batch.channel = channel
-            failed = await broker.publish_once(replies, "replies", channel)
-            if failed:
-                self._retrying += 1
-            try:
-                if previous is not None:
-                    await _wait(previous)
-                if failed:
-                    log.warning("publishing replies failed; retrying in order", count=len(failed))
-                    await broker.publish_until_confirmed(failed, "replies")
-            finally:
-                self._retrying -= bool(failed)
-            await self._abort(out.aborts)
-            await self._settle(out, deliveries)
+            await self.shell.outbox.commit(outs, acks=acks, rejects=rejects, channel=channel)
         except asyncio.CancelledError:
             raise
-        except Exception:  # inputs stay unacked: redelivered and replayed if this replica dies
-            log.exception("detokenizer send failed")
+        except Exception as exc:  # the channel is gone: everything unacked is replayed
+            log.warning("replies not committed; replaying from the inputs", error=repr(exc))
+            return
+        await self._abort(out.aborts)
+        self.shell.metrics.set_detok_held(len(self.ledger), self.core.num_active)
+        for info, reply in out.finished:
+            self.shell.metrics.on_request_finished(info, reply)
+            self.goodput.observe(info, reply)
+            log.info(
+                "request finished",
+                request_id=info.request_id,
+                outcome=getattr(reply, "finish_reason", None) or getattr(reply, "code", None),
+            )
 
     async def _abort(self, aborts: list[str]) -> None:
         for rid in aborts:
@@ -257,35 +249,6 @@ class DetokenizerService:
                 await self.shell.publish_control(ControlMsg("abort", rid).encode())
             except Exception as exc:  # workers still stop at max_tokens or the deadline
                 log.warning("abort not sent", request_id=rid, error=str(exc))
-
-    async def _settle(
-        self, out: Output, deliveries: list[tuple[AbstractIncomingMessage, set[str]]]
-    ) -> None:
-        # Only now that the replies are confirmed: the inputs of answered requests go.
-        for delivery, live in deliveries:
-            if not self.ledger.hold(delivery, live):
-                await ack(delivery)  # nothing unanswered in it
-        done = [info.request_id for info, _ in out.finished] + out.dropped
-        for rid in done:
-            for delivery in self.ledger.release(rid):
-                await ack(delivery)  # a failed ack: redelivered, then ignored as finished
-        self.shell.metrics.set_detok_held(len(self.ledger), self.core.num_active)
-        for info, reply in out.finished:
-            self.shell.metrics.on_request_finished(info, reply)
-            log.info(
-                "request finished",
-                request_id=info.request_id,
-                outcome=getattr(reply, "finish_reason", None) or getattr(reply, "code", None),
-            )
-
-
-def _done(batch: _Batch) -> bool:
-    return batch.task is None or batch.task.done()
-
-
-async def _wait(batch: _Batch) -> None:
-    if batch.task is not None:
-        await asyncio.wait([batch.task])
 
 
 def build(config: BatonConfig) -> DetokenizerService:

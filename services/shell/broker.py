@@ -158,12 +158,9 @@ class Broker:
         channel reach the broker in order; across a reconnect, nothing orders them."""
         return await self.pub.get_underlay_channel()
 
-    async def publish(
-        self, out: Outgoing, channel: aiormq.abc.AbstractChannel | None = None
-    ) -> None:
-        """Publish and wait for the broker's confirm (raises if it nacks); on ``channel`` if
-        given (fails if that channel is gone), else on the current one."""
-        msg = aio_pika.Message(
+    def message(self, out: Outgoing) -> aio_pika.Message:
+        """``out`` as a message stamped with this connection's user."""
+        return aio_pika.Message(
             out.body,
             delivery_mode=(
                 aio_pika.DeliveryMode.PERSISTENT
@@ -176,6 +173,19 @@ class Broker:
             headers=out.headers,
             user_id=self.user,
         )
+
+    async def consume_channel(self) -> aiormq.abc.AbstractChannel:
+        """The channel deliveries come on now (after any reconnect: a new one); a transactional
+        shell publishes and settles on it (``services/shell/tx_outbox.py``)."""
+        assert self._sub is not None, "connect() first"
+        return await self._sub.get_underlay_channel()
+
+    async def publish(
+        self, out: Outgoing, channel: aiormq.abc.AbstractChannel | None = None
+    ) -> None:
+        """Publish and wait for the broker's confirm (raises if it nacks); on ``channel`` if
+        given (fails if that channel is gone), else on the current one."""
+        msg = self.message(out)
         if channel is None:
             await self.pub.default_exchange.publish(msg, routing_key=out.routing_key)
         else:
@@ -218,7 +228,8 @@ class Broker:
 
     async def publish_control(self, body: bytes) -> None:
         assert self._control is not None, "connect() first"
-        await self._control.publish(aio_pika.Message(body), routing_key="")
+        # Stamped: services honour an ``abort`` only from a trusted publisher (control_auth.py).
+        await self._control.publish(aio_pika.Message(body, user_id=self.user), routing_key="")
 
     async def consume(self, queue_name: str, handler: Handler) -> tuple[AbstractQueue, str]:
         """Start consuming a work queue (manual acks); returns the queue and the consumer tag."""

@@ -196,8 +196,10 @@ class EngineService(ABC):
         self._releases.extend(msg.releases)
         self._wake.set()
 
-    def _on_control(self, ctl: ControlMsg) -> None:
-        if ctl.request_id is not None:  # cancel or abort: this worker drops it either way
+    def _on_control(self, ctl: ControlMsg, sender: str | None) -> None:
+        # Only aborts (the shell let through only a trusted sender's): a client's cancel is the
+        # detokenizer's to check against the request's owner; it then sends the abort.
+        if ctl.type == "abort" and ctl.request_id is not None:
             self._aborts.append(ctl.request_id)
             self._wake.set()
 

@@ -14,7 +14,9 @@ configure (declare, delete), write (publish to an exchange; the queue side of a 
   ``baton.kv_release.<worker>``; the detokenizer publishes aborts to ``baton.control``;
 - the client library (``shared/client``; the gateway is one): declares, consumes and deletes its
   reply queue ``baton.reply.<hex>``, declares ``baton.control`` and publishes cancels there, and
-  publishes requests through the default exchange.
+  publishes requests through the default exchange;
+- an operator declares ``baton.control`` and publishes ``drain`` there; the services honour a
+  drain only from the users in ``BATON_OPERATORS`` (``services/shell/control_auth.py``).
 
 Declaring a queue that has a dead-letter exchange *creates* it only with read on that queue, so
 the topology is declared beforehand (``apply``, or the definitions file Compose loads); after
@@ -118,20 +120,30 @@ ROLES: dict[str, Permissions] = {
     "detokenizer": _service((DETOK,), writes=(lit(CONTROL_EXCHANGE),)),
     "gateway": _CLIENT,
     "client": _CLIENT,  # any program on shared.client: the CLI, Locust, your own
+    # Drains the workers (docs/deploy.md); its user is BATON_OPERATORS.
+    "operator": Permissions(
+        configure=any_of(lit(CONTROL_EXCHANGE)), write=any_of(lit(CONTROL_EXCHANGE)), read="^$"
+    ),
 }
 USER_PREFIX = "baton-"
 PASSWORD_ENV = "BATON_{ROLE}_AMQP_PASSWORD"
 
 
 # The roles whose users publish work between services (the tokenizer into prefill and the
-# detokenizer shards, prefill into decode, and each into its own queue when it counts a
-# redelivery). Services set BATON_TRUSTED_PUBLISHERS to their user names and refuse internal
-# work from anyone else: the default exchange lets any user with write on it reach any queue.
-PUBLISHERS = ("tokenizer", "prefill", "decode")
+# detokenizer shards, prefill into decode, the detokenizer its stream marks into its shards and
+# aborts to the workers, and each into its own queue when it counts a redelivery). Services set
+# BATON_TRUSTED_PUBLISHERS to their user names and refuse internal work from anyone else: the
+# default exchange lets any user with write on it reach any queue.
+PUBLISHERS = ("tokenizer", "prefill", "decode", "detokenizer")
+OPERATORS = ("operator",)
 
 
 def trusted_publishers(prefix: str = USER_PREFIX) -> str:
     return ",".join(prefix + role for role in PUBLISHERS)
+
+
+def operators(prefix: str = USER_PREFIX) -> str:
+    return ",".join(prefix + role for role in OPERATORS)
 
 
 def password_env(role: str, template: str = PASSWORD_ENV) -> str:
@@ -321,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             url = url_for(args.url, args.user_prefix + role, pw, args.vhost)
             print(f"export BATON_{role.upper()}_AMQP_URL={shlex.quote(url)}")
         print(f"export BATON_TRUSTED_PUBLISHERS={trusted_publishers(args.user_prefix)}")
+        print(f"export BATON_OPERATORS={operators(args.user_prefix)}")
     return 0
 
 

@@ -43,6 +43,7 @@ class ServiceMetrics:
         self._last_preemptions = 0
         self._last_swaps = (0, 0)  # (out, in)
         self._last_connector = KVConnectorStats()
+        self._last_reclaimed: dict[tuple[str, str], int] = {}
         self._last_staged_blocks = 0  # EngineLoad.num_staged_blocks is cumulative
         self._step_weight_bytes = 0
         self._kv_bytes_per_token = 0
@@ -144,6 +145,7 @@ class ServiceMetrics:
         for stat in out.transfers:
             self.on_transfer(stat)
         self.on_connector(out.kv)
+        self.on_kv_reclaimed(out.kv_reclaimed)
 
     def on_step(self, stats: StepStats) -> None:
         """One forward of a prefill or decode engine."""
@@ -198,6 +200,14 @@ class ServiceMetrics:
             if new > old:
                 counter.inc(new - old)
         self._last_connector = stats
+
+    def on_kv_reclaimed(self, reclaimed: dict[tuple[str, str], int]) -> None:
+        """The engine's orphaned-KV counts (cumulative, by (kind, reason)): add what is new."""
+        for (kind, reason), total in reclaimed.items():
+            new = total - self._last_reclaimed.get((kind, reason), 0)
+            if new > 0:
+                self.metrics.kv_orphans_reclaimed.labels(kind=kind, reason=reason).inc(new)
+        self._last_reclaimed = dict(reclaimed)
 
     def on_transfer(self, stat: KVTransferStat) -> None:
         self.metrics.handoff_bytes.labels(transport=stat.transport).inc(stat.nbytes)

@@ -3,11 +3,13 @@
 What it owns, so that a service module only translates between wire messages and its core:
 - the broker connection and topology (:class:`~services.shell.broker.Broker`);
 - the control subscription (``baton.control``): ``cancel``/``abort`` go to the service's
-  callback, ``drain`` is handled here (below);
+  callback with the sender's user_id, ``drain`` is handled here (below); who may send what is
+  ``control_auth.py``'s rule;
 - consumers with prefetch; each delivery is counted (``redelivered_messages_total`` when the
   broker's redelivered flag is set) and tracked while its handler runs;
 - publishing with confirms, and ordered background publishes that ack their inputs only once
-  confirmed (:meth:`publish_then_ack`);
+  confirmed (:meth:`publish_then_ack`); or, for a ``transactional`` shell (the services that
+  answer clients), outputs and acks committed together (:meth:`commit`, ``tx_outbox.py``);
 - the metrics, ``/health`` and ``/ready`` endpoint (:class:`ServiceMetrics`), and the one poller
   of queue depths and the spill store (:class:`~services.shell.polling.Poller`: a service
   subscribes its policy before ``start``).
@@ -30,8 +32,10 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from services.shell.broker import Broker, Handler, Outgoing
+from services.shell.control_auth import ControlAuth
 from services.shell.polling import Poller
 from services.shell.service_metrics import ServiceMetrics
+from services.shell.tx_outbox import TxOutbox
 from shared.config import BatonConfig
 from shared.wire.errors import ProtocolError
 from shared.wire.messages import ControlMsg, DetokMsg, TokenEvent
@@ -39,9 +43,11 @@ from shared.wire.queues import REQUESTS_QUEUE, detok_queue_for
 
 log = structlog.get_logger(__name__)
 
-ControlHandler = Callable[[ControlMsg], None]
-# Answers the request of a message that is about to be dead-lettered as poison.
-PoisonHandler = Callable[[AbstractIncomingMessage, int], Awaitable[None]]
+# A cancel or abort, and the broker user that sent it (its AMQP user_id; None if it set none).
+ControlHandler = Callable[[ControlMsg, str | None], None]
+# Answers the request of a message that is about to be dead-lettered as poison; True if it
+# settled the message itself (a transactional shell's answer and reject commit together).
+PoisonHandler = Callable[[AbstractIncomingMessage, int], Awaitable[bool | None]]
 # How many deliveries of a message ended without it being finished (see _count_redelivery).
 FAILURES_HEADER = "x-baton-failures"
 DRAIN_POLL_S = 0.05
@@ -49,10 +55,16 @@ STOP_PUBLISH_TIMEOUT_S = 10.0
 
 
 class ServiceShell:
-    def __init__(self, config: BatonConfig, name: str, prefetch: int) -> None:
+    def __init__(
+        self, config: BatonConfig, name: str, prefetch: int, *, transactional: bool = False
+    ) -> None:
+        """``transactional``: every delivery is settled in a transaction with the outputs made
+        from it (:meth:`commit`); for the services whose outputs reach clients."""
         self.config = config
         self.name = name
         self.broker = Broker(config, prefetch_count=prefetch)
+        self.outbox = TxOutbox(self.broker) if transactional else None
+        self.auth = ControlAuth(config)
         self.metrics = ServiceMetrics(config, name)
         self.poller = Poller(config, self.broker, self.metrics)
         self.draining = False
@@ -99,6 +111,8 @@ class ServiceShell:
         await self.poller.stop()
         if self._drain_task is not None:
             self._drain_task.cancel()
+        if self.outbox is not None:
+            self.outbox.close()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=STOP_PUBLISH_TIMEOUT_S)
             for task in pending:  # the broker is gone: the inputs stay unacked and are redelivered
@@ -123,8 +137,7 @@ class ServiceShell:
                     user_id=delivery.user_id,
                     correlation_id=delivery.correlation_id,
                 )
-                with contextlib.suppress(Exception):
-                    await delivery.reject(requeue=False)
+                await self.dispose(delivery, requeue=False)
                 return
             if delivery.redelivered:
                 self.metrics.on_redelivered(queue)
@@ -132,7 +145,7 @@ class ServiceShell:
                     await self._count_redelivery(queue, delivery, on_poison)
                     return
             if self.draining:  # in flight when the consumer was cancelled: give it back
-                await requeue(delivery)
+                await self.dispose(delivery, requeue=True)
                 return
             self._handling += 1
             try:
@@ -167,9 +180,8 @@ class ServiceShell:
                 correlation_id=delivery.correlation_id,
             )
             self.metrics.on_poison(queue)
-            await on_poison(delivery, failures)
-            with contextlib.suppress(Exception):  # channel gone: redelivered and counted again
-                await delivery.reject(requeue=False)
+            if not await on_poison(delivery, failures):
+                await self.dispose(delivery, requeue=False)
             return
         copy = Outgoing(
             queue,
@@ -179,6 +191,10 @@ class ServiceShell:
             reply_to=delivery.reply_to,
             headers={FAILURES_HEADER: failures},
         )
+        if self.outbox is not None:  # the copy and the original's ack, together or not at all
+            with contextlib.suppress(Exception):  # not counted: the original comes again
+                await self.outbox.commit([copy], acks=[delivery])
+            return
         try:
             await self.broker.publish(copy)
         except Exception as exc:  # not counted this time; the original stays unacked
@@ -193,9 +209,14 @@ class ServiceShell:
         except ProtocolError as exc:
             log.warning("bad control message ignored", reason=exc.message)
             return
-        if ctl.type != "drain":
+        sender = message.user_id
+        if ctl.type == "abort" and not self.auth.may_abort(sender):
+            log.warning("abort from an untrusted user ignored", user_id=sender)
+        elif ctl.type != "drain":
             if self._on_control is not None:
-                self._on_control(ctl)
+                self._on_control(ctl, sender)
+        elif not self.auth.may_drain(sender):
+            log.warning("drain from a user that is not an operator ignored", user_id=sender)
         elif not self._drainable:
             log.info("drain ignored: this service answers all work already accepted")
         elif not self.draining:
@@ -217,6 +238,31 @@ class ServiceShell:
         self._finished.set()
 
     # --- publishing -----------------------------------------------------------------------------
+    async def commit(
+        self,
+        outs: list[Outgoing],
+        *,
+        acks: Iterable[AbstractIncomingMessage] = (),
+        rejects: Iterable[AbstractIncomingMessage] = (),
+    ) -> None:
+        """Publish ``outs`` and ack/dead-letter the deliveries in one transaction (a
+        ``transactional`` shell); raises if it did not commit — the deliveries come again."""
+        assert self.outbox is not None, "a transactional shell commits"
+        await self.outbox.commit(outs, acks=acks, rejects=rejects)
+
+    async def dispose(self, delivery: AbstractIncomingMessage, *, requeue: bool) -> None:
+        """Dead-letter (or requeue) a delivery; a failure is harmless (its channel is gone, and
+        the broker requeues it)."""
+        with contextlib.suppress(Exception):
+            if self.outbox is not None:
+                await self.outbox.commit(
+                    rejects=[] if requeue else [delivery], requeues=[delivery] if requeue else []
+                )
+            elif requeue:
+                await delivery.nack(requeue=True)
+            else:
+                await delivery.reject(requeue=False)
+
     async def publish(self, out: Outgoing) -> None:
         await self.broker.publish(out)
 

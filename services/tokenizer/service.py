@@ -1,7 +1,10 @@
 """Tokenizer service: validate, tokenize, register with the detokenizer, pass on to prefill.
 
 Bad input never goes further than here: it is answered with an ``error`` reply at once. A body
-without ``reply_to`` cannot be answered and is dead-lettered with a log line. ``max_tokens`` is
+without ``reply_to`` cannot be answered and is dead-lettered with a log line. Every request's
+outcome — the error reply, or the registration and the work — is committed in one transaction
+with the ack of the request (``services/shell/tx_outbox.py``): a crash never answers or
+registers one twice. ``max_tokens`` is
 clamped here, once, to what fits after the prompt (``Limits.clamp``); the priority is the body's
 when it has the field, else the AMQP header's clamped to 0..9 (``parse_request``).
 
@@ -14,6 +17,7 @@ priority while the prefill backlog is deep.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -56,7 +60,9 @@ class TokenizerService:
         # short-prompt boost of the priority published to baton.prefill.
         self.policy = SchedulingPolicy(config)
         self.priorities = Prioritizer(config, short_boost=True)
-        self.shell = ServiceShell(config, self.name, prefetch=self.policy.tokenizer_prefetch())
+        self.shell = ServiceShell(
+            config, self.name, prefetch=self.policy.tokenizer_prefetch(), transactional=True
+        )
         self.shell.metrics.on_prefetch(self.policy.tokenizer_prefetch(), changed=False)
         self.shell.poller.on_depths((PREFILL_QUEUE, DECODE_QUEUE), self._observe_depths)
 
@@ -85,7 +91,7 @@ class TokenizerService:
                 correlation_id=message.correlation_id,
                 nbytes=len(message.body),
             )
-            await message.reject(requeue=False)
+            await self.shell.dispose(message, requeue=False)
             return
         request_id = message.correlation_id or ""
         try:
@@ -136,6 +142,8 @@ class TokenizerService:
             deadline=deadline,
             max_tokens=sampling.max_tokens,
             batch_replies=req.batch_replies,
+            owner=message.user_id,
+            priority=req.priority,
         )
         work = PrefillMsg(
             request_id=req.request_id,
@@ -148,35 +156,40 @@ class TokenizerService:
             arrival_time=arrival,
             deadline=deadline,
         )
-        # The registration and the work, confirms awaited together (one round trip, not two:
-        # ~1 ms of a 1-token request's ~11 ms beyond its forward). Both go out on one channel,
-        # registration first, so the broker routes it first; a token event that still overtakes
-        # it (a republish after a nack) waits in the detokenizer for its registration
-        # (services/detokenizer/core.py, orphan events). The input is acked only after both.
+        # The registration, the work and the ack: one transaction. Registration first, so the
+        # broker routes it first; a token event that still overtakes it waits in the
+        # detokenizer for its registration (services/detokenizer/core.py, orphan events).
         detok = detok_queue_for(req.request_id, self.config.detok_shards)
-        await self.shell.broker.publish_many(
-            [
-                Outgoing(detok, DetokMsg(starts=[start]).encode()),
-                Outgoing(PREFILL_QUEUE, work.encode(), priority=wire),
-            ]
-        )
-        await message.ack()
+        outs = [
+            Outgoing(detok, DetokMsg(starts=[start]).encode()),
+            Outgoing(PREFILL_QUEUE, work.encode(), priority=wire),
+        ]
+        try:
+            await self.shell.commit(outs, acks=[message])
+        except Exception as exc:  # not committed: the request comes again
+            log.warning("request not committed", request_id=req.request_id, error=repr(exc))
+            return
         self.shell.metrics.on_published(PREFILL_QUEUE, req.priority, wire, "short_prompt")
         self.shell.metrics.on_accepted(len(token_ids))
         log.debug("request accepted", request_id=req.request_id, prompt_tokens=len(token_ids))
 
-    async def _answer_poison(self, message: AbstractIncomingMessage, failures: int) -> None:
+    async def _answer_poison(self, message: AbstractIncomingMessage, failures: int) -> bool:
         """About to be dead-lettered (it crashed this service ``failures`` times): answered
         through the detokenizer, a registration and an error together, so that a request
-        registered before a crash is answered once, by the one service that answers it."""
+        registered before a crash is answered once, by the one service that answers it; the
+        answer and the dead-lettering commit together."""
         rid = message.correlation_id
         if not message.reply_to or not rid:
-            return  # unanswerable; dead-lettered with the log line above
+            return False  # unanswerable; dead-lettered with the log line above
         text = f"the tokenizer failed on this request {failures} times; it was set aside"
         error = TokenEvent(rid, 0, [], error_code=ErrorCode.INTERNAL.value, error_message=text)
-        body = DetokMsg(starts=[StartInfo(rid, message.reply_to, 0)], events=[error]).encode()
-        await self.shell.publish(Outgoing(detok_queue_for(rid, self.config.detok_shards), body))
-        self.shell.metrics.on_error(ErrorCode.INTERNAL.value)
+        start = StartInfo(rid, message.reply_to, 0, owner=message.user_id)
+        body = DetokMsg(starts=[start], events=[error]).encode()
+        out = Outgoing(detok_queue_for(rid, self.config.detok_shards), body)
+        with contextlib.suppress(Exception):  # not committed: it comes again, poison again
+            await self.shell.commit([out], rejects=[message])
+            self.shell.metrics.on_error(ErrorCode.INTERNAL.value)
+        return True
 
     async def _reply_error(
         self, message: AbstractIncomingMessage, request_id: str, code: ErrorCode, text: str
@@ -185,10 +198,12 @@ class TokenizerService:
         assert message.reply_to is not None
         reply = ErrorReply(request_id=request_id, code=code.value, message=text)
         correlation_id = message.correlation_id or request_id or None
-        await self.shell.publish(
-            Outgoing(message.reply_to, reply.encode(), correlation_id=correlation_id)
-        )
-        await message.ack()
+        out = Outgoing(message.reply_to, reply.encode(), correlation_id=correlation_id)
+        try:  # the reply and the ack together: never answered twice
+            await self.shell.commit([out], acks=[message])
+        except Exception as exc:  # not committed: the request comes again
+            log.warning("error reply not committed", request_id=request_id, error=repr(exc))
+            return
         self.shell.metrics.on_error(code.value)
 
 

@@ -47,7 +47,7 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
-from shared.client.connection import connect_robust
+from shared.client.connection import connect_robust, url_username
 from shared.client.dedup import StreamDeduplicator
 from shared.config import DEFAULT_AMQP_URL, BatonConfig
 from shared.wire.messages import (
@@ -221,6 +221,9 @@ class BatonClient:
         # know: a reply is bounded like every other message (BATON_MAX_MESSAGE_BYTES).
         self.max_reply_bytes = default_max_reply_bytes()
         self._consumer_tag: str | None = None
+        # Stamped on requests and cancels (RabbitMQ checks it is the connection's user): with
+        # per-role users a request is cancelled only by the user that published it.
+        self.user_id: str | None = None
 
     @classmethod
     async def connect(
@@ -244,6 +247,7 @@ class BatonClient:
             CONTROL_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
         )
         client = cls(connection, channel, reply_queue, control, default_wait_s)
+        client.user_id = url_username(url)
         # Replies are acked once routed (together, per ACK_WINDOW_S): a reply the broker sent
         # while the connection was dying comes again after the reconnect (and is dropped as a
         # duplicate) instead of being lost.
@@ -360,7 +364,8 @@ class BatonClient:
 
     async def cancel(self, request_id: str) -> None:
         await self._control.publish(
-            aio_pika.Message(ControlMsg("cancel", request_id).encode()), routing_key=""
+            aio_pika.Message(ControlMsg("cancel", request_id).encode(), user_id=self.user_id),
+            routing_key="",
         )
 
     # --- raw access (tests) -----------------------------------------------------------------
@@ -407,6 +412,7 @@ class BatonClient:
             reply_to=self._reply_queue.name if reply_to else None,
             priority=priority,
             content_type="application/msgpack",
+            user_id=self.user_id,
         )
         pending.sent_at = time.perf_counter()
         try:

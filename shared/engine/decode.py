@@ -16,6 +16,7 @@ full, the victim stays here and recomputes (``recompute`` mode always does).
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import structlog
 
@@ -24,6 +25,7 @@ from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOut
 from shared.kv_transfer.connector import KVConnector
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
+from shared.scheduling.prefill_scheduler import PrefillBatch
 from shared.wire.messages import KVDescriptor, KVRelease
 
 log = structlog.get_logger(__name__)
@@ -39,8 +41,6 @@ class DecodeEngine(EngineCore):
         self.num_swaps_in = 0
         self._kv: dict[str, KVDescriptor] = {}  # not yet loaded, by request id
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
-        self._reclaim_interval_s = max(1.0, self.config.spill_orphan_timeout_s / 4)
-        self._last_reclaim = time.time()
         c = self.config
         return DecodeScheduler(
             self.block_manager,
@@ -123,16 +123,20 @@ class DecodeEngine(EngineCore):
         self._started(admitted, now)
         for seq in admitted:
             self._load(seq, out)
-        self._reclaim_orphans(now)
         sched = self.scheduler.schedule()
         self._hand_on_swapped(now, out)  # victims of admit() and schedule()
         if not sched:
             return out
         t0 = time.perf_counter()
         seqs = [*sched.recompute.seqs, *sched.decode]
-        tokens = self._forward(seqs, out, lambda: self._run(sched))
-        if tokens is None:
+        num_recompute = len(sched.recompute.seqs)
+        step = sched
+        results = self._forward(seqs, out, lambda rows: self._run(step, rows))
+        if not results:
             return out
+        if len(results) < len(seqs):  # a request failed alone: the rest of the step goes on
+            sched = _surviving(sched, results)
+        tokens = [cast(int, results[r]) for r in sorted(results) if r >= num_recompute]
         forward_s = time.perf_counter() - t0
         reasons = {f.seq.request_id: f.reason for f in self.scheduler.update(sched, tokens)}
         for seq, token in zip(sched.decode, tokens, strict=True):
@@ -154,10 +158,18 @@ class DecodeEngine(EngineCore):
         )
         return out
 
-    def _run(self, sched: DecodeStep) -> list[int]:
-        if sched.recompute.seqs:
-            self.runner.prefill(sched.recompute.seqs, sched.recompute.num_new_tokens)
-        return self.runner.decode(sched.decode)
+    def _run(self, sched: DecodeStep, rows: list[int]) -> list[int | None]:
+        """The step's forward over ``rows`` of [*recompute, *decode]: None for a recompute row,
+        the sampled token for a decode row."""
+        recompute = sched.recompute
+        num_recompute = len(recompute.seqs)
+        again = [r for r in rows if r < num_recompute]
+        if again:
+            self.runner.prefill(
+                [recompute.seqs[r] for r in again], [recompute.num_new_tokens[r] for r in again]
+            )
+        decode = self.runner.decode([sched.decode[r - num_recompute] for r in rows[len(again) :]])
+        return [None] * len(again) + list(decode)
 
     def _load(self, seq: Sequence, out: StepOutput) -> None:
         """Copy an admitted sequence's KV in; blocks that were prefix hits here already hold it."""
@@ -184,8 +196,15 @@ class DecodeEngine(EngineCore):
             self.num_swaps_in += 1
             log.info("swapped in", request_id=seq.request_id, num_tokens=desc.num_tokens)
 
-    def _reclaim_orphans(self, now: float) -> None:
-        if now - self._last_reclaim >= self._reclaim_interval_s:
-            self._last_reclaim = now
-            for c in self.connectors:
-                c.reclaim_orphans(now)
+
+def _surviving(sched: DecodeStep, results: dict[int, int | None]) -> DecodeStep:
+    """The step without the rows that failed alone (``results``: rows that ran)."""
+    recompute = sched.recompute
+    n = len(recompute.seqs)
+    kept = [r for r in range(n) if r in results]
+    return DecodeStep(
+        decode=[seq for r, seq in enumerate(sched.decode, n) if r in results],
+        recompute=PrefillBatch(
+            [recompute.seqs[r] for r in kept], [recompute.num_new_tokens[r] for r in kept]
+        ),
+    )

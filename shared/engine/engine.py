@@ -81,6 +81,8 @@ class EngineCore(ABC):
         self.requests: dict[str, Sequence] = {}  # every request this engine owns, by id
         self._deadlines: dict[str, float] = {}
         self._aborted = ExpiringIdSet()
+        self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
+        self._last_reclaim = time.time()
         # The spill store the scheduling policy watches: the transport, when it is one.
         self._store = connector if isinstance(connector, ShmConnector) else None
         self.info = EngineInfo(
@@ -169,9 +171,20 @@ class EngineCore(ABC):
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    def kv_reclaimed(self) -> dict[tuple[str, str], int]:
+        """Orphaned KV its connectors freed, cumulative, by (kind, reason)
+        (``KVConnector.reclaimed``)."""
+        total: dict[tuple[str, str], int] = {}
+        for connector in self.connectors:
+            for key, n in connector.reclaimed().items():
+                total[key] = total.get(key, 0) + n
+        return total
+
     def step(self, now: float | None = None) -> StepOutput:
         """Expire, schedule, run one forward, update; returns what to publish."""
-        out = self._step(time.time() if now is None else now)
+        now = time.time() if now is None else now
+        self._reclaim_orphans(now)
+        out = self._step(now)
         bm = self.block_manager
         tier = self.runner.host_tier
         out.load = EngineLoad(
@@ -184,6 +197,7 @@ class EngineCore(ABC):
             self.priorities.state(),
         )
         out.kv = self.connector.stats()
+        out.kv_reclaimed = self.kv_reclaimed()
         return out
 
     @abstractmethod
@@ -230,6 +244,15 @@ class EngineCore(ABC):
         )
         out.handoffs.append(Handoff(seq.request_id, seq.output_token_ids, kv, priority))
 
+    def _reclaim_orphans(self, now: float) -> None:
+        """Every engine sweeps what no receiver will take (spill entries nobody loaded, dead
+        senders' pools; a sender's expired leases free themselves in ``pop_freeable``): the KV
+        a dead peer left is reclaimed whichever side survives."""
+        if now - self._last_reclaim >= self._reclaim_interval_s:
+            self._last_reclaim = now
+            for connector in self.connectors:
+                connector.reclaim_orphans(now)
+
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""
         self.requests.pop(request_id, None)
@@ -242,20 +265,34 @@ class EngineCore(ABC):
             self._drop(rid)
             out.retired.append(rid)
 
-    def _forward(self, seqs: list[Sequence], out: StepOutput, fn: Callable[[], T]) -> T | None:
-        """Run a forward; if it raises, end its requests with ``internal`` rather than retrying a
-        batch that may fail forever — every other request keeps being served."""
+    def _forward(
+        self, seqs: list[Sequence], out: StepOutput, run: Callable[[list[int]], list[T]]
+    ) -> dict[int, T]:
+        """``run(rows)``: the forward over ``seqs[rows]``, one result per row. Returns the
+        results by row of every sequence that ran.
+
+        If the batch raises, the request that causes it is found and fails alone (``isolate``):
+        the others keep their results, computed in smaller forwards (a forward writes only its
+        own rows' KV slots, and sampling is a function of seed and position, so a row run again
+        writes and samples the same). Rows that fail even alone end with ``internal`` rather
+        than being retried forever; a failure no row reproduces alone fails nobody."""
+        rows = list(range(len(seqs)))
         try:
-            return fn()
+            return dict(zip(rows, run(rows), strict=True))
         except Exception as exc:
-            reason = f"{self.kind} failed: {type(exc).__name__}"
-            log.exception("forward failed; failing its requests", count=len(seqs))
-            for seq in seqs:
-                if seq.request_id in self.requests:
-                    self._drop(seq.request_id)
-                    out.errors.append(RequestError(seq.request_id, ErrorCode.INTERNAL, reason))
-                    out.retired.append(seq.request_id)
-            return None
+            log.exception("forward failed; isolating the request that fails", count=len(seqs))
+            error = exc
+        results: dict[int, T] = {}
+        failed = isolate(rows, run, results) if len(rows) > 1 else [(0, error)]
+        for row, cause in failed:
+            seq = seqs[row]
+            reason = f"{self.kind} failed: {type(cause).__name__}"
+            log.error("the request fails its forward alone", request_id=seq.request_id)
+            if seq.request_id in self.requests:
+                self._drop(seq.request_id)
+                out.errors.append(RequestError(seq.request_id, ErrorCode.INTERNAL, reason))
+                out.retired.append(seq.request_id)
+        return results
 
     def _stats(
         self,
@@ -281,3 +318,19 @@ class EngineCore(ABC):
             swaps_out_total=swaps_out_total,
             swaps_in_total=swaps_in_total,
         )
+
+
+def isolate(
+    rows: list[int], run: Callable[[list[int]], list[T]], results: dict[int, T]
+) -> list[tuple[int, Exception]]:
+    """``rows`` failed together (two or more): run each half, and split what fails again, until
+    every row either ran (its result in ``results``) or failed alone — returned with its error.
+    One bad row among n costs about 2·log2(n) extra forwards, each smaller than the batch."""
+    failed: list[tuple[int, Exception]] = []
+    half = len(rows) // 2
+    for part in (rows[:half], rows[half:]):
+        try:
+            results.update(zip(part, run(part), strict=True))
+        except Exception as exc:
+            failed += [(part[0], exc)] if len(part) == 1 else isolate(part, run, results)
+    return failed

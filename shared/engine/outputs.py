@@ -112,6 +112,8 @@ class StepOutput:
     stats: StepStats | None = None  # None when no forward ran
     load: EngineLoad = field(default_factory=EngineLoad)  # set by every step
     kv: KVConnectorStats = field(default_factory=KVConnectorStats)  # the connector's, every step
+    # Orphaned KV the engine's connectors reclaimed, cumulative, by (kind, reason).
+    kv_reclaimed: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.handoffs or self.errors or self.retired or self.releases)

@@ -19,6 +19,7 @@ from shared.engine.engine import EngineCore
 from shared.engine.outputs import KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillScheduler
+from shared.scheduling.prefill_scheduler import PrefillBatch
 from shared.wire.messages import KVRelease
 
 
@@ -57,11 +58,17 @@ class PrefillEngine(EngineCore):
             return out
         self._started(batch.seqs, now)
         started, t0 = time.time(), time.perf_counter()
-        tokens = self._forward(
-            batch.seqs, out, lambda: self.runner.prefill(batch.seqs, batch.num_new_tokens)
-        )
-        if tokens is None:
+
+        def run(rows: list[int]) -> list[int | None]:
+            seqs, counts = batch.seqs, batch.num_new_tokens
+            return self.runner.prefill([seqs[r] for r in rows], [counts[r] for r in rows])
+
+        results = self._forward(batch.seqs, out, run)
+        if not results:
             return out
+        ran = sorted(results)  # a request that failed alone is gone from the batch
+        batch = PrefillBatch([batch.seqs[r] for r in ran], [batch.num_new_tokens[r] for r in ran])
+        tokens = [results[r] for r in ran]
         forward_s = time.perf_counter() - t0
         done = self.scheduler.update(batch, tokens)
         for seq in done:

@@ -128,6 +128,13 @@ class KVConnector(ABC):
         """Housekeeping: free what no receiver will ever take; returns how many."""
         return 0
 
+    def reclaimed(self) -> dict[tuple[str, str], int]:
+        """KV this connector freed because nobody would (cumulative), by (kind, reason):
+        ``spill_entries``/``unclaimed`` (no receiver loaded them in time), ``pool_blocks``/
+        ``lease_expired`` (the receiver never released them: it died), ``pool_files``/
+        ``owner_dead`` (a dead sender's pool). Exported as ``baton:kv_orphans_reclaimed_total``."""
+        return {}
+
     # --- helpers for implementations ------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         block_size = self.kv_cache.shape[3]
@@ -161,6 +168,7 @@ class PinLedger:
         self._next_send_id = 1
         self.num_pinned_blocks = 0
         self.num_leases_expired = 0
+        self.num_blocks_expired = 0  # blocks those expired leases gave back
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._pins
@@ -198,17 +206,19 @@ class PinLedger:
         for rid in expired:  # orphans: the receiver died or the request was dropped unreleased
             self.num_leases_expired += 1
             log.warning("kv lease expired; freeing unreleased blocks", request_id=rid)
-            self._unpin(rid)
+            self.num_blocks_expired += self._unpin(rid)
         out, self._freeable = self._freeable, []
         return out
 
-    def _unpin(self, request_id: str) -> None:
+    def _unpin(self, request_id: str) -> int:
+        """Returns how many blocks no pin holds any more."""
         ids = self._pins.pop(request_id).blocks
         self._count[ids] -= 1
         gone = ids[self._count[ids] == 0]
         self.table[gone] = 0  # before the engine may reuse the blocks
         self.num_pinned_blocks -= len(gone)
         self._freeable.append(request_id)
+        return len(gone)
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

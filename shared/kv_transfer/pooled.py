@@ -128,6 +128,7 @@ class PooledConnector(KVConnector):
         # counters (the shell exports them as metrics)
         self.num_map_failures = 0
         self.num_stale_loads = 0  # refused: lease ending, blocks re-pinned or owner gone
+        self.num_pools_reaped = 0
         if export:
             self.reap_dead_pools()  # a restarted sender: earlier generations go now
 
@@ -370,7 +371,15 @@ class PooledConnector(KVConnector):
                     os.close(fd)
         if removed:
             log.info("removed pools of dead senders", transport=self.name, count=removed)
+        self.num_pools_reaped += removed
         return removed
+
+    def reclaimed(self) -> dict[tuple[str, str], int]:
+        expired = self._ledger.num_blocks_expired if self._ledger else 0
+        return {
+            ("pool_blocks", "lease_expired"): expired,
+            ("pool_files", "owner_dead"): self.num_pools_reaped,
+        }
 
     def close(self) -> None:
         for key in list(self._maps):

@@ -60,6 +60,7 @@ class ShmConnector(KVConnector):
         self._copied: deque[str] = deque()  # sent: the engine may free their blocks
         self._estimate = self.used_bytes()  # see the module docstring
         self._synced_at = time.time()
+        self.num_reclaimed = 0
 
     # --- sending role ---------------------------------------------------------------------------
     def send(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor | None:
@@ -165,8 +166,12 @@ class ShmConnector(KVConnector):
                     pass
         if removed:
             log.info("reclaimed orphan KV entries", count=removed)
+        self.num_reclaimed += removed
         self._maybe_resync(now)
         return removed
+
+    def reclaimed(self) -> dict[tuple[str, str], int]:
+        return {("spill_entries", "unclaimed"): self.num_reclaimed}
 
     def _path(self, desc: KVDescriptor) -> Path:
         key = desc.payload.get("key")

@@ -106,6 +106,17 @@ class Metrics:
         self.request_errors = counter(
             "request_errors_total", "Requests answered with an error, by error code.", ["code"]
         )
+        self.request_goodput = counter(
+            "request_goodput_total",
+            "Requests finished within the objectives BATON_SLO_TTFT_S and BATON_SLO_TPOT_S, "
+            "by the client's priority (services/detokenizer/goodput.py).",
+            ["priority"],
+        )
+        self.request_slo_judged = counter(
+            "request_slo_judged_total",
+            "Requests judged against the objectives (every terminal reply), by priority.",
+            ["priority"],
+        )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.redelivered_messages = counter(
@@ -282,6 +293,13 @@ class Metrics:
         self.kv_leases_expired = counter(
             "kv_leases_expired_total",
             "Sender: pinned handoffs freed by lease expiry (the receiver never released them).",
+        )
+        self.kv_orphans_reclaimed = counter(
+            "kv_orphans_reclaimed_total",
+            "KV freed because no receiver would take it, by kind (spill_entries, pool_blocks, "
+            "pool_files) and reason (unclaimed, lease_expired, owner_dead); every engine "
+            "that reclaims counts its own.",
+            ["kind", "reason"],
         )
         self.kv_map_failures = counter(
             "kv_map_failures_total",

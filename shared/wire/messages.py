@@ -42,6 +42,7 @@ __all__ = [
     "HandoffMsg",
     "StartInfo",
     "TokenEvent",
+    "StreamMark",
     "DetokMsg",
     "ControlMsg",
     "TokenReply",
@@ -56,7 +57,8 @@ __all__ = [
 
 # 2: KVDescriptor became an opaque, versioned per-transport payload.
 # 3: StartInfo.batch_replies (the client's reply queue takes batches, see replies.py).
-SCHEMA_VERSION = 3
+# 4: DetokMsg.marks (the detokenizer's stream high-water marks), StartInfo.owner and .priority.
+SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
 
 
@@ -237,6 +239,10 @@ class StartInfo:
     deadline: float | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     batch_replies: bool = False  # its reply queue takes batches (RequestMsg.batch_replies)
+    # The broker user that published the request (its AMQP user_id, which RabbitMQ checks), or
+    # None if it set none: a cancel is honoured only from the same (services/shell/control_auth.py).
+    owner: str | None = None
+    priority: int = 0  # the client's (goodput is counted per priority)
 
 
 @dataclass
@@ -253,14 +259,25 @@ class TokenEvent:
 
 
 @dataclass
+class StreamMark:
+    """How far a request's stream was answered: the token replies committed so far end before
+    output position ``next_index`` and text offset ``text_offset`` (detokenizer/marks.py)."""
+
+    request_id: str
+    next_index: int
+    text_offset: int
+
+
+@dataclass
 class DetokMsg(_Internal):
     """→ detokenizer: one message per batch or step, every sequence in it (starts come from the
-    tokenizer, token events from prefill and decode)."""
+    tokenizer, token events from prefill and decode, marks from the detokenizer itself)."""
 
     KIND: ClassVar[str] = "detok"
     starts: list[StartInfo] = field(default_factory=list)
     events: list[TokenEvent] = field(default_factory=list)
     sent_at: float = 0.0
+    marks: list[StreamMark] = field(default_factory=list)
 
     @classmethod
     def from_map(cls, d: dict[str, Any]) -> DetokMsg:
@@ -268,6 +285,7 @@ class DetokMsg(_Internal):
             starts=[StartInfo(**s) for s in d.get("starts", [])],
             events=[TokenEvent(**e) for e in d.get("events", [])],
             sent_at=d.get("sent_at", 0.0),
+            marks=[StreamMark(**m) for m in d.get("marks", [])],
         )
 
 

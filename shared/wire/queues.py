@@ -27,12 +27,16 @@ WORK_QUEUE_ARGS: dict[str, Any] = {
 }
 # The detokenizer's input is sharded by request id (``detok_queue_for``): one request's
 # registration and token events always meet the same state. Each shard has a single active
-# consumer (the broker fails it over to a standby replica when the active one dies), and no
-# priority: a shard is FIFO, so a registration is always read before that request's events.
+# consumer (the broker fails it over to a standby replica when the active one dies). Starts and
+# events go at priority 0: FIFO, so a registration is always read before that request's events.
+# The detokenizer's own stream marks go at MARK_PRIORITY, so the replica that takes a shard over
+# reads every mark before any start or event it replays (services/detokenizer/marks.py).
 DETOK_QUEUE_PREFIX = "baton.detok."
+MARK_PRIORITY = 1
 DETOK_QUEUE_ARGS: dict[str, Any] = {
     "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
     "x-single-active-consumer": True,
+    "x-max-priority": MARK_PRIORITY,
 }
 # The dead-letter queue is bounded so a flood of garbage cannot fill the broker's disk.
 DEAD_QUEUE_ARGS: dict[str, Any] = {"x-max-length": 10_000, "x-message-ttl": 7 * 24 * 3600 * 1000}

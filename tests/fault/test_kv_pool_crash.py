@@ -45,6 +45,8 @@ POOL_ENV = {
 PINNED = "baton:kv_blocks_pinned"
 USED = "baton:kv_blocks_used"
 EXPIRED = "baton:kv_leases_expired_total"
+LEASE_RECLAIMED = "baton:kv_orphans_reclaimed_total{kind=pool_blocks,reason=lease_expired}"
+POOL_REAPED = "baton:kv_orphans_reclaimed_total{kind=pool_files,reason=owner_dead}"
 
 
 def batch(tag: str) -> list[RequestMsg]:
@@ -138,6 +140,7 @@ async def test_prefill_killed_with_handoffs_pinned_loses_nothing() -> None:
     assert "kv pool cannot be mapped; recomputing" in text
     assert prefill["baton:handoff_bytes_total{transport=pool}"] > 0  # the new prefill's sends
     assert decode.get("baton:handoff_bytes_total{transport=shm}", 0) == 0
+    assert prefill[POOL_REAPED] >= 1  # the new prefill removed the dead one's pool file
 
 
 async def test_decode_killed_holding_handoffs_the_lease_frees_them() -> None:
@@ -150,6 +153,7 @@ async def test_decode_killed_holding_handoffs_the_lease_frees_them() -> None:
             reference = await reference_run(log)
             await poll_metric(prefill_port, PINNED, lambda v: v == 0, timeout_s=lease_s + 2)
             expired_before = scrape(prefill_port)[EXPIRED]
+            reclaimed_before = scrape(prefill_port).get(LEASE_RECLAIMED, 0)
             ids, in_broker = await kill_with_handoffs_pinned(procs, log, "decode")
             # Nobody will release those pins: the lease (counted from each send, which came
             # before the kill) frees them, and prefill's blocks go back.
@@ -157,6 +161,8 @@ async def test_decode_killed_holding_handoffs_the_lease_frees_them() -> None:
             assert waited <= lease_s + 2.0, waited  # the sweep runs each step; CI may be slow
             prefill = scrape(prefill_port)
             assert prefill[EXPIRED] - expired_before >= in_broker
+            # Prefill reclaimed its own blocks after the decode death, and counted them.
+            assert prefill[LEASE_RECLAIMED] - reclaimed_before >= in_broker
             assert prefill[USED] == 0
             assert prefill["baton:handoff_bytes_total{transport=pool}"] > 0
             assert prefill.get("baton:handoff_bytes_total{transport=shm}", 0) == 0

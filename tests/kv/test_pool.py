@@ -84,6 +84,7 @@ def test_lease_expiry_frees_an_orphan_and_its_descriptor_is_then_refused(root: P
     assert tx.pop_freeable(time.time()) == []
     assert tx.pop_freeable(time.time() + 10) == ["orphan"]  # decode died: nobody released
     assert tx.num_leases_expired == 1 and tx.num_pinned_blocks == 0
+    assert tx.reclaimed()[("pool_blocks", "lease_expired")] == 2  # counted, by block
     fill(tx, [1, 2], seed=4)  # the engine reused the blocks
     res = rx.load(desc, [0, 3], 0)  # a late (redelivered) handoff: never the new KV
     assert not res.loaded and rx.num_stale_loads == 1

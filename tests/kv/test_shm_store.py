@@ -68,3 +68,13 @@ def test_housekeeping_touches_only_spill_entries(tmp_path: Path) -> None:
     assert conn.send("a", [0], 4) is not None
     assert conn.reclaim_orphans(time.time() + 1000) == 1  # the orphaned entry, not the pool
     assert os.listdir(conn.root) == [pool.name]
+
+
+def test_unclaimed_entries_are_reclaimed_and_counted(tmp_path: Path) -> None:
+    conn = ShmConnector(tmp_path / "spill", 1 << 20, orphan_timeout_s=5.0)
+    conn.register_kv_cache(torch.randn(SHAPE))
+    assert conn.send("a", [0, 1], 8) is not None and conn.send("b", [2, 3], 8) is not None
+    assert conn.reclaim_orphans(time.time()) == 0  # young: a receiver may still take them
+    assert conn.reclaim_orphans(time.time() + 10) == 2
+    assert conn.reclaimed() == {("spill_entries", "unclaimed"): 2}
+    assert os.listdir(conn.root) == []
