@@ -22,8 +22,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-# The C sources live beside the engine that loads most of them.
-CSRC = Path(__file__).parents[1] / "engine" / "csrc"
+# The C sources live beside the model execution that loads most of them (shared/runtime).
+CSRC = Path(__file__).parents[1] / "runtime" / "csrc"
 
 
 def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path) -> Path:
