@@ -70,16 +70,17 @@ def _decode(dt: str, group: int, head_dim: int, int8: bool, split: bool) -> Spec
         },  # fmt: skip
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        scalars={"qk_scale": "fp32", "tokens_per_split": "i32"},
+        scalars={"qk_scale": "fp32", "tokens_per_split": "i32", "window": "i32"},
     )
 
 
-def _prefill(dt: str, group: int, head_dim: int) -> Spec:
+def _prefill(dt: str, group: int, head_dim: int, window: bool = False) -> Spec:
     from kernels.prefill_attention import _config, _prefill_kernel
 
     cfg = _config(TORCH_DTYPES[dt], head_dim)
     return Spec(
-        f"prefill {dt} group={group} D={head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}",
+        f"prefill {dt} group={group} D={head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}"
+        + (" window" if window else ""),
         _prefill_kernel,
         {
             "q_ptr": dt,
@@ -96,10 +97,11 @@ def _prefill(dt: str, group: int, head_dim: int) -> Spec:
             "BLOCK_SIZE": 16,
             "BLOCK_M": cfg["BLOCK_M"],
             "BLOCK_N": cfg["BLOCK_N"],
+            "HAS_WINDOW": window,
         },  # fmt: skip
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        scalars={"qk_scale": "fp32"},
+        scalars={"qk_scale": "fp32", "window": "i32"},
     )
 
 
@@ -115,6 +117,7 @@ def specs(quick: bool) -> list[Spec]:
              {"acc_ptr": "fp32", "m_ptr": "fp32", "l_ptr": "fp32", "out_ptr": "bf16"},
              {"NUM_SPLITS": 33, "SPLITS_PAD": 64, "HEAD_DIM": 128}),
         _prefill("bf16", 4, 128),
+        _prefill("bf16", 4, 128, window=True),
         Spec("store_kv bf16", _store_kv_kernel,
              {"k_ptr": "bf16", "v_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16",
               "slot_mapping_ptr": "i64"},

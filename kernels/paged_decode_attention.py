@@ -11,6 +11,9 @@ combines them. The wrapper picks the split count from the grid size and a host-s
 the context length (never by reading context_lens, which would synchronise with the GPU).
 
 Context length 0 yields zeros: the running sum stays 0 and is replaced by 1 before dividing.
+
+Sliding window (``window`` > 0): the query, at position context_len - 1, sees the last
+``window`` positions only; splits cover that range, and blocks before it are never read.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _paged_decode_kernel(
     l_ptr,  # [B, Hq, S] fp32 partial sum (split only)
     qk_scale,
     tokens_per_split,
+    window,  # a sliding window; 0: none
     stride_qb,
     stride_qh,
     stride_kb,
@@ -66,7 +70,10 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * tokens_per_split
+    first = 0
+    if window > 0:
+        first = tl.maximum(context_len - window, 0)
+    start = first + split * tokens_per_split
     end = tl.minimum(context_len, start + tokens_per_split)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -194,12 +201,17 @@ def launch_paged_decode(
     scale: float,
     num_splits: int | None,
     max_context_len: int | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Launches on already-checked arguments; k_scale/v_scale given means an int8 cache."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     bound = block_tables.shape[1] * block_size
     max_len = bound if max_context_len is None else min(max_context_len, bound)
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window={window}: at least one key")
+        max_len = min(max_len, window)  # the positions a query reads
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_len, _checks.num_sms(q.device))
     if num_splits < 1:
@@ -224,7 +236,7 @@ def launch_paged_decode(
     stride_sb, stride_st = (0, 0) if k_scale is None else (k_scale.stride(0), k_scale.stride(1))
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale_arg, v_scale_arg, block_tables, context_lens,
-        target, m_part, l_part, scale * LOG2E, tokens_per_split,
+        target, m_part, l_part, scale * LOG2E, tokens_per_split, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         stride_sb, stride_st, block_tables.stride(0),
         target.stride(0), target.stride(1), stride_os,
@@ -251,19 +263,21 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
+    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens
+    (with ``window``: its last ``window`` of them).
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D] in q's dtype. Returns [B, Hq, D].
     num_splits: None picks split-KV automatically; 1 forces the single-pass kernel.
     max_context_len: an optional host-side bound on context_lens that sharpens the split
     choice (default: block_tables.shape[1] * block_size).
-    block_tables rows must hold valid block ids for every position below context_lens[b].
+    block_tables rows must hold valid block ids for every position the query sees.
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens, (q.dtype,))
     return launch_paged_decode(
         q, k_cache, v_cache, None, None, block_tables, context_lens, scale, num_splits,
-        max_context_len,
+        max_context_len, window,
     )  # fmt: skip
 
 
@@ -282,6 +296,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 math): gather each sequence's KV, repeat heads, softmax."""
     group = q.shape[1] // k_cache.shape[2]
@@ -289,8 +304,10 @@ def paged_decode_attention_ref(
     for b, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], context_len).float().repeat_interleave(group, 1)
-        v = gather_kv(v_cache, block_tables[b], context_len).float().repeat_interleave(group, 1)
+        first = 0 if window is None else max(0, context_len - window)
+        k = gather_kv(k_cache, block_tables[b], context_len)[first:]
+        v = gather_kv(v_cache, block_tables[b], context_len)[first:]
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
         scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
         out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

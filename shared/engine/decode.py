@@ -106,8 +106,7 @@ class DecodeEngine(EngineCore):
         are freed by the scheduler right after) and hand the request on at the end of the step."""
         assert self.swap is not None
         try:
-            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
-                desc = self.swap.send(seq.request_id, block_ids, seq.num_computed_tokens)
+            desc = self._send(self.swap, seq)
         except Exception:
             log.exception("swap-out failed; recomputing", request_id=seq.request_id)
             return False
@@ -188,11 +187,16 @@ class DecodeEngine(EngineCore):
         desc = self._kv.pop(seq.request_id, None)
         if desc is None:
             return
-        first = seq.num_computed_tokens // self.block_manager.block_size
-        last = self.block_manager.blocks_for(desc.num_tokens)
+        bm = self.block_manager
+        # Blocks before the prefix hits' end are here already; the descriptor's start where
+        # its sender's window began (the blocks before hold nothing this sequence reads).
+        first = max(seq.num_computed_tokens // bm.block_size, desc.first_block)
+        last = bm.blocks_for(desc.num_tokens)
         try:
+            if not 0 <= desc.first_block <= last:
+                raise ValueError(f"first_block {desc.first_block} outside 0..{last}")
             with self._device_ids(seq.block_table[first:last], read=False, write=True) as ids:
-                result = self._receiver(desc).load(desc, ids, first)
+                result = self._receiver(desc).load(desc, ids, first - desc.first_block)
         except Exception:  # never wrong KV: recompute whatever was partly written
             log.exception("KV load failed; recomputing", request_id=seq.request_id)
             self._discard(desc)  # the sender may free its copy now, not at lease expiry
@@ -202,6 +206,7 @@ class DecodeEngine(EngineCore):
         if not result.loaded:
             log.warning("KV gone; recomputing", request_id=seq.request_id)
             return
+        bm.release_before(seq, desc.first_block)  # outside the window: never sent, never read
         seq.num_computed_tokens = max(seq.num_computed_tokens, desc.num_tokens)
         out.transfers.append(KVTransferStat(desc.transport, result.nbytes, result.seconds))
         if desc.num_tokens > seq.num_prompt_tokens:  # KV of generated tokens: a decode swapped it

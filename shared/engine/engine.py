@@ -6,6 +6,7 @@ only while no ``step`` runs (the step itself may run in a worker thread).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from shared.runtime.sequence import Sequence
 from shared.scheduling.base import SchedulerBase
 from shared.scheduling.priority import Prioritizer
 from shared.wire.errors import ErrorCode
-from shared.wire.messages import KVRelease
+from shared.wire.messages import KVDescriptor, KVRelease
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -52,6 +53,7 @@ class EngineCore(ABC):
             runner.block_size,
             config.enable_prefix_caching,
             num_device_blocks=runner.tiers.num_device_blocks,
+            kv_window=runner.model_config.kv_window,
         )
         mc = runner.model_config
         self.limits = Limits.build(config, mc.max_position_embeddings, runner.max_seq_tokens)
@@ -168,6 +170,14 @@ class EngineCore(ABC):
         if tier is None:
             return nullcontext(block_ids)
         return tier.device_ids(block_ids, read=read, write=write)
+
+    def _send(self, sender: KVConnector, seq: Sequence) -> KVDescriptor | None:
+        """Offer ``seq``'s computed KV to ``sender``: the blocks its window still holds (those
+        before were released), the descriptor saying where they start."""
+        first, live = self.block_manager.live_blocks(seq, seq.num_computed_tokens)
+        with self._device_ids(live, read=True, write=False) as block_ids:
+            desc = sender.send(seq.request_id, block_ids, seq.num_computed_tokens)
+        return desc if desc is None or not first else dataclasses.replace(desc, first_block=first)
 
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""

@@ -94,8 +94,7 @@ class PrefillEngine(EngineCore):
             tier = self.runner.host_tier
             on_host = tier is not None and tier.holds_host(seq.block_table)
             sender = self.spill if on_host and self.spill is not None else self.connector
-            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
-                desc = sender.send(rid, block_ids, seq.num_computed_tokens)
+            desc = self._send(sender, seq)
             if desc is None:  # the transport is full: decode recomputes
                 self.scheduler.free(seq)
             else:

@@ -14,12 +14,18 @@ The runner builds one metadata object per forward (tensors, masks, gather indice
 - triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
   pools in place.
 
+Sliding windows: each layer calls ``forward`` with its own window (ModelConfig.layer_windows;
+None = full attention). A query at position p sees keys ``p - window + 1 .. p`` (transformers'
+mask); the metadata keeps what each window needs (which rows, masks, starts) once per forward,
+built by the first layer that asks. No path reads a block below a sequence's window start: those
+blocks may have been freed (the block manager's null entries).
+
 Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see ENGINE.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -38,7 +44,12 @@ class AttentionMetadata(Protocol):
     slot_mapping: torch.Tensor
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -48,9 +59,17 @@ def attention(
     v: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (the new tokens) -> ``[T, Hq, D]``."""
-    return meta.forward(q, k, v, kv_layer)
+    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (the new tokens) -> ``[T, Hq, D]``; ``window``:
+    this layer's sliding window (None: every earlier key)."""
+    return meta.forward(q, k, v, kv_layer, window)
+
+
+def window_starts(context_lens: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """The first key a decode query (at position ``len - 1``) sees: ``len - window``, or None
+    (position 0) without a window."""
+    return None if window is None else (context_lens - window).clamp_(min=0)
 
 
 def gather_blocks(kv_layer: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
@@ -85,6 +104,74 @@ def store_kv_torch(
 
 
 @dataclass
+class DecodeRows:
+    """Which pool rows a decode step reads for one window, as the torch paths index them.
+
+    Column c of row b is position ``start[b] + c`` (start: the window's first key, else 0);
+    ``L`` is the widest row of the batch; a shorter one's padding columns point at its last
+    position and get probability exactly 0."""
+
+    k_rows: torch.Tensor  # int64 [B, Hkv, L]: slot * Hkv + kv head
+    mask: torch.Tensor  # fp32 [B * Hkv, 1, L] additive: 0 in the context, -inf in the padding
+    # k_rows repeated for each query head of a group, [B * Hq, L]: built by the first layer
+    # (the backend does not know the group), reused by the others.
+    v_rows: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        starts: torch.Tensor | None,
+        block_size: int,
+        num_kv_heads: int,
+    ) -> DecodeRows:
+        """``tables`` int64 ``[B, blocks]``, ``lens`` int64 ``[B]`` (on the pool's device)."""
+        batch, dev = lens.shape[0], lens.device
+        spans = lens if starts is None else lens - starts
+        width = int(spans.max())
+        cols = torch.arange(width, device=dev)
+        pos = cols if starts is None else starts[:, None] + cols
+        pos = torch.minimum(pos.expand(batch, width), lens[:, None] - 1)
+        slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
+        kv_heads = torch.arange(num_kv_heads, device=dev)[:, None]
+        k_rows = slots[:, None, :] * num_kv_heads + kv_heads
+        padding = cols >= spans[:, None]
+        mask = torch.zeros(batch, width, device=dev).masked_fill_(padding, float("-inf"))
+        mask = mask[:, None, None, :].expand(batch, num_kv_heads, 1, width).flatten(0, 1)
+        return cls(k_rows, mask)
+
+    def per_query_head(self, group: int) -> torch.Tensor:
+        if self.v_rows is None:
+            batch, num_kv_heads, width = self.k_rows.shape
+            rows = self.k_rows[:, :, None, :].expand(batch, num_kv_heads, group, width)
+            self.v_rows = rows.reshape(batch * num_kv_heads * group, width)
+        return self.v_rows
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step's block tables and lengths, and each window's rows built from them on
+    first use (every layer of that window reuses them)."""
+
+    tables: torch.Tensor  # int64 [B, max_blocks]
+    lens: torch.Tensor  # int64 [B]
+    block_size: int
+    num_kv_heads: int
+    _rows: dict[int | None, DecodeRows] = field(default_factory=dict)
+
+    def rows(self, window: int | None) -> DecodeRows:
+        rows = self._rows.get(window)
+        if rows is None:
+            starts = window_starts(self.lens, window)
+            rows = DecodeRows.build(
+                self.tables, self.lens, starts, self.block_size, self.num_kv_heads
+            )
+            self._rows[window] = rows
+        return rows
+
+
+@dataclass
 class TorchDecodeMetadata:
     """Decode attention read off the pools, shared by every layer of one step.
 
@@ -92,44 +179,43 @@ class TorchDecodeMetadata:
     D]``, straight into ``[B * Hkv, L, D]``, the layout of one batched ``q @ Kᵀ`` (each KV head
     with its group of query heads; q head h uses KV head h // group, as in repeat_kv). V is never
     copied: ``embedding_bag`` sums each query head's V rows weighted by its probabilities, in
-    place. ``L`` is the longest context of the batch; a shorter one's padding rows point at real
-    slots (its own spare ones, or block 0's) and get probability exactly 0.
+    place (see :class:`DecodeRows` for the columns).
 
     On CPU a decode step streams every running sequence's KV from memory; this reads it once
     and writes one K copy, where gathering K and V for SDPA wrote both and read them twice.
     """
 
     slot_mapping: torch.Tensor  # int64 [B]
-    k_rows: torch.Tensor  # int64 [B, Hkv, L]: slot * Hkv + kv head (padding: block 0's slots)
-    mask: torch.Tensor  # fp32 [B * Hkv, 1, L] additive: 0 in the context, -inf in the padding
+    batch: DecodeBatch
     scale: float
-    # k_rows repeated for each query head of a group, [B * Hq, L]: built by the first layer
-    # (the backend does not know the group), reused by the others.
-    v_rows: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        rows = self.batch.rows(window)
         batch, num_heads, head_dim = q.shape
-        _, num_kv_heads, context = self.k_rows.shape
+        _, num_kv_heads, context = rows.k_rows.shape
         group = num_heads // num_kv_heads
-        if self.v_rows is None:
-            rows = self.k_rows[:, :, None, :].expand(batch, num_kv_heads, group, context)
-            self.v_rows = rows.reshape(batch * num_heads, context)
-        keys = kv_layer[0].view(-1, head_dim).index_select(0, self.k_rows.view(-1))
+        v_rows = rows.per_query_head(group)
+        keys = kv_layer[0].view(-1, head_dim).index_select(0, rows.k_rows.view(-1))
         scores = torch.baddbmm(
-            self.mask.to(q.dtype),
+            rows.mask.to(q.dtype),
             q.reshape(batch * num_kv_heads, group, head_dim),
             keys.view(batch * num_kv_heads, context, head_dim).transpose(1, 2),
             alpha=self.scale,
         )
         probs = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax; no-op casts in fp32
         out = F.embedding_bag(
-            self.v_rows,
+            v_rows,
             kv_layer[1].view(-1, head_dim),
             mode="sum",
-            per_sample_weights=probs.view(self.v_rows.shape),
+            per_sample_weights=probs.view(v_rows.shape),
         )
         return out.view(batch, num_heads, head_dim)
 
@@ -143,12 +229,34 @@ class CpuKernelDecodeMetadata:
     rows: KernelBatch  # block tables and context lengths, checked once per step
     scale: float
     kernel: DecodeKernel
+    _windowed: dict[int, KernelBatch] = field(default_factory=dict)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
-        return self.kernel.attend(q, kv_layer, self.rows, self.scale)
+        return self.kernel.attend(q, kv_layer, self.window_rows(window), self.scale)
+
+    def window_rows(self, window: int | None) -> KernelBatch:
+        if window is None:
+            return self.rows
+        rows = self._windowed.get(window)
+        if rows is None:
+            r = self.rows
+            rows = KernelBatch(
+                r.block_tables,
+                r.context_lens,
+                min(window, r.max_context_len),
+                r.block_size,
+                window_starts(r.context_lens, window),
+            )
+            self._windowed[window] = rows
+        return rows
 
 
 @dataclass
@@ -161,18 +269,23 @@ class TorchQuantDecodeMetadata:
     quarter of fp32's bytes."""
 
     slot_mapping: torch.Tensor  # int64 [B]
-    k_rows: torch.Tensor  # int64 [B, Hkv, L], as in TorchDecodeMetadata
-    mask: torch.Tensor  # fp32 [B * Hkv, 1, L]
+    batch: DecodeBatch
     scale: float
     codec: Int8KV
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        decode_rows = self.batch.rows(window)
         batch, num_heads, head_dim = q.shape
-        _, num_kv_heads, context = self.k_rows.shape
-        rows, width = self.k_rows.view(-1), kv_layer.shape[-1]
+        _, num_kv_heads, context = decode_rows.k_rows.shape
+        rows, width = decode_rows.k_rows.view(-1), kv_layer.shape[-1]
         shape = (batch * num_kv_heads, context, head_dim)
         k_vals, k_scale = self.codec.split(kv_layer[0].view(-1, width).index_select(0, rows))
         scores = torch.bmm(
@@ -180,7 +293,7 @@ class TorchQuantDecodeMetadata:
             k_vals.to(q.dtype).view(shape).transpose(1, 2),
         )
         k_scale = k_scale.view(shape[0], 1, context)
-        scores = torch.addcmul(self.mask, scores, k_scale, value=self.scale)
+        scores = torch.addcmul(decode_rows.mask, scores, k_scale, value=self.scale)
         probs = scores.float().softmax(-1)
         v_vals, v_scale = self.codec.split(kv_layer[1].view(-1, width).index_select(0, rows))
         probs = (probs * v_scale.view(shape[0], 1, context)).to(q.dtype)
@@ -188,19 +301,52 @@ class TorchQuantDecodeMetadata:
 
 
 @dataclass
-class _CachedPrefix:
-    """A chunk that continues a computed prefix attends over the cache, not just itself."""
+class _Context:
+    """The keys one prefill sequence's queries read from the cache under one window."""
 
-    kv_rows: torch.Tensor  # its blocks, see gather_blocks
-    context_len: int  # prefix + this chunk
-    mask: torch.Tensor  # bool [n, context_len]: causal, offset by the prefix
+    kv_rows: torch.Tensor  # its blocks from the window's first one, see gather_blocks
+    first: int  # the position of the first row gathered (a block boundary)
+    mask: torch.Tensor  # bool [n, context_len - first]: causal (and windowed), offset
 
 
 @dataclass
 class _PrefillSeq:
     query_start: int
     query_end: int
-    prefix: _CachedPrefix | None  # None: the chunk is the whole context (plain causal)
+    context_len: int  # prefix + this chunk
+    block_table: list[int]
+    cached: bool  # the chunk continues a computed prefix: keys come from the cache
+    _contexts: dict[int | None, _Context] = field(default_factory=dict)
+    _fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def context(
+        self, window: int | None, num_blocks: int, block_size: int, device: torch.device
+    ) -> _Context:
+        """Blocks and mask for a chunk after a cached prefix: query i sits at position
+        ``ctx - n + i`` and sees keys ``max(0, pos - window + 1) .. pos``."""
+        got = self._contexts.get(window)
+        if got is None:
+            n, ctx = self.query_end - self.query_start, self.context_len
+            first = 0 if window is None else max(0, ctx - n - window + 1) // block_size
+            nblk = (ctx + block_size - 1) // block_size
+            ids = torch.tensor(self.block_table[first:nblk], device=device)
+            q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+            k_pos = torch.arange(first * block_size, ctx, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            got = _Context(block_rows(ids, num_blocks), first * block_size, mask)
+            self._contexts[window] = got
+        return got
+
+    def fresh_mask(self, window: int, device: torch.device) -> torch.Tensor:
+        """A fresh prompt's causal mask within ``window`` (SDPA has no windowed is_causal)."""
+        mask = self._fresh_masks.get(window)
+        if mask is None:
+            pos = torch.arange(self.query_end - self.query_start, device=device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            self._fresh_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -220,23 +366,33 @@ class TorchPrefillMetadata:
     fresh: _KernelPrompts | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         if self.fresh is not None:
-            self.fresh.kernel.attend(q, k, v, self.fresh.prompts, self.scale, out)
+            self.fresh.kernel.attend(q, k, v, self.fresh.prompts, self.scale, out, window)
+        num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
         for s in self.seqs:
             rows = slice(s.query_start, s.query_end)
             mask = None
-            if s.prefix is None:
+            if not s.cached:
                 ks, vs = k[rows], v[rows]
+                if window is not None and s.query_end - s.query_start > window:
+                    mask = s.fresh_mask(window, q.device)
             else:
-                blocks = gather_blocks(kv_layer, s.prefix.kv_rows)
+                ctx = s.context(window, num_blocks, block_size, q.device)
+                blocks = gather_blocks(kv_layer, ctx.kv_rows)
                 kv = self.codec.decode(blocks, q.dtype).flatten(1, 2)
-                ks, vs = kv[0, : s.prefix.context_len], kv[1, : s.prefix.context_len]
-                mask = s.prefix.mask
+                span = s.context_len - ctx.first
+                ks, vs = kv[0, :span], kv[1, :span]
+                mask = ctx.mask
             # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
             # than its enable_gqa path, which falls back to unfused math on CPU).
             o = F.scaled_dot_product_attention(
@@ -287,14 +443,12 @@ class TorchAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.device = device
-        self._block_offsets = torch.arange(block_size, device=device)
-        self._kv_heads = torch.arange(num_kv_heads, device=device)[:, None]
 
     def decode_metadata(
         self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
     ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata | CpuKernelDecodeMetadata:
-        dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
-        batch, context = len(context_lens), max(context_lens)
+        dev, bs = self.device, self.block_size
+        context = max(context_lens)
         max_blocks = (context + bs - 1) // bs
         tables = block_table_tensor(block_tables, max_blocks, torch.int64, dev)
         if self.decode_kernel is not None:
@@ -305,16 +459,12 @@ class TorchAttentionBackend:
                 self.scale,
                 self.decode_kernel,
             )
-        slots = (tables[:, :, None] * bs + self._block_offsets).view(batch, -1)[:, :context]
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
-        padding = torch.arange(context, device=dev) >= lens[:, None]
-        mask = torch.zeros(batch, context, device=dev).masked_fill_(padding, float("-inf"))
+        batch = DecodeBatch(tables, lens, bs, self.num_kv_heads)
         slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
-        k_rows = slots[:, None, :] * num_kv_heads + self._kv_heads
-        mask = mask[:, None, None, :].expand(batch, num_kv_heads, 1, context).flatten(0, 1)
         if isinstance(self.codec, Int8KV):
-            return TorchQuantDecodeMetadata(slot_tensor, k_rows, mask, self.scale, self.codec)
-        return TorchDecodeMetadata(slot_tensor, k_rows, mask, self.scale)
+            return TorchQuantDecodeMetadata(slot_tensor, batch, self.scale, self.codec)
+        return TorchDecodeMetadata(slot_tensor, batch, self.scale)
 
     def prefill_metadata(
         self,
@@ -323,29 +473,21 @@ class TorchAttentionBackend:
         query_lens: list[int],
         context_lens: list[int],
     ) -> TorchPrefillMetadata:
-        dev, bs = self.device, self.block_size
         seqs: list[_PrefillSeq] = []
         fresh: list[tuple[int, int]] = []
         start = 0
         for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
             if n == ctx and self.prefill_kernel is not None:
                 fresh.append((start, start + n))
-            elif n == ctx:
-                seqs.append(_PrefillSeq(start, start + n, None))
             else:
-                nblk = (ctx + bs - 1) // bs
-                kv_rows = block_rows(torch.tensor(bt[:nblk], device=dev), self.num_blocks)
-                # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
-                q_pos = torch.arange(ctx - n, ctx, device=dev)
-                mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-                seqs.append(_PrefillSeq(start, start + n, _CachedPrefix(kv_rows, ctx, mask)))
+                seqs.append(_PrefillSeq(start, start + n, ctx, bt, cached=n != ctx))
             start += n
         kernel_prompts = None
         if fresh and self.prefill_kernel is not None:
             prompts = FreshPrompts.of(fresh, start)
             kernel_prompts = _KernelPrompts(self.prefill_kernel, prompts)
         return TorchPrefillMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
             seqs=seqs,
             scale=self.scale,
             codec=self.codec,

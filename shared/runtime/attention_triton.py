@@ -17,9 +17,10 @@ def block_table_tensor(
     block_tables: list[list[int]], width: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``[B, width]`` block tables, cut or padded with block 0 (padding is never read: every
-    backend masks positions past a sequence's context length)."""
+    backend masks positions past a sequence's context length). A freed block's null entry
+    (outside every sliding window: never read either) reads as block 0 too."""
     padded = [bt[:width] + [0] * (width - len(bt)) for bt in block_tables]
-    return torch.tensor(padded, dtype=dtype, device=device)
+    return torch.tensor(padded, dtype=dtype, device=device).clamp_(min=0)
 
 
 @dataclass
@@ -32,7 +33,12 @@ class TritonDecodeMetadata:
     ops: Any
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
         return self.ops.paged_decode_attention(
@@ -43,6 +49,7 @@ class TritonDecodeMetadata:
             self.context_lens,
             self.scale,
             max_context_len=self.max_context_len,
+            window=window,
         )
 
 
@@ -57,7 +64,12 @@ class TritonPrefillMetadata:
     ops: Any
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
         return self.ops.prefill_attention(
@@ -69,6 +81,7 @@ class TritonPrefillMetadata:
             self.block_tables,
             self.scale,
             max_seqlen_q=self.max_seqlen_q,
+            window=window,
         )
 
 

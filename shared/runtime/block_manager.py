@@ -9,6 +9,12 @@ A block is in exactly one of three states:
 Only computed KV is ever published (``cache_computed_blocks``), so a prefix hit never points at
 a block whose KV is still being written by another sequence's forward.
 
+Sliding windows (``kv_window``: the widest window, when every layer of the model has one): a
+block no future query of a sequence can see — all its positions before ``p - kv_window + 1``,
+p the next position computed — is released at once (published first, so it stays a prefix
+hit until evicted) and its entry in the block table becomes :data:`NULL_BLOCK`, vLLM's null
+block: an id that holds no KV and is never read (attention starts at the window).
+
 Two tiers (``num_device_blocks < num_blocks``): ids ``[0, num_device_blocks)`` live in the
 device pool, the rest in the host tier (``shared/runtime/kv_tiers.py``). A block is always taken
 from the device first — free, then the least recently freed cached one — and from the host only
@@ -23,6 +29,9 @@ from array import array
 from collections import OrderedDict, deque
 
 from shared.runtime.sequence import Sequence
+
+# A block-table entry whose block was released because it lies outside every layer's window.
+NULL_BLOCK = -1
 
 
 def hash_block(prev_hash: bytes, token_ids: list[int]) -> bytes:
@@ -43,15 +52,20 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_device_blocks: int | None = None,
+        kv_window: int | None = None,
     ):
         """``num_device_blocks``: how many of the ``num_blocks`` are on the device (default: all);
-        the others are the host tier."""
+        the others are the host tier. ``kv_window``: keys a query may still need
+        (ModelConfig.kv_window); None keeps every block of a running sequence."""
         num_device = num_blocks if num_device_blocks is None else num_device_blocks
         if num_blocks <= 0 or block_size <= 0 or not 0 < num_device <= num_blocks:
             raise ValueError(
                 f"need num_blocks > 0, block_size > 0 and 0 < num_device_blocks <= num_blocks, "
                 f"got {num_blocks}, {block_size}, {num_device}"
             )
+        if kv_window is not None and kv_window < 1:
+            raise ValueError(f"kv_window={kv_window}: a window holds at least one key")
+        self.kv_window = kv_window
         self.num_blocks = num_blocks
         self.num_device_blocks = num_device
         self.block_size = block_size
@@ -102,6 +116,19 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def num_freeable_blocks(self, seq: Sequence) -> int:
+        """Blocks that freeing ``seq`` gives back (shared ones and null entries do not)."""
+        return sum(1 for b in seq.block_table if b != NULL_BLOCK and self._ref_counts[b] == 1)
+
+    def live_blocks(self, seq: Sequence, num_tokens: int) -> tuple[int, list[int]]:
+        """The blocks holding positions ``0 .. num_tokens - 1`` that were not released (the
+        window's): (index of the first in the table, their ids). What a handoff sends."""
+        table = seq.block_table[: self.blocks_for(num_tokens)]
+        first = 0
+        while first < len(table) and table[first] == NULL_BLOCK:
+            first += 1
+        return first, table[first:]
 
     # --- allocation ---------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
@@ -168,21 +195,46 @@ class BlockManager:
         head of a prompt is the part other prompts most likely share).
         """
         for block_id in reversed(seq.block_table):
-            ref = self._ref_counts[block_id] - 1
-            if ref < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            self._ref_counts[block_id] = ref
-            if ref == 0:
-                if self._block_hash[block_id] is None:
-                    self._free[self.tier(block_id)].append(block_id)
-                else:
-                    self._evictable[self.tier(block_id)][block_id] = None
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         seq.block_table = []
         self._num_published_blocks.pop(seq.request_id, None)
 
+    def release_before(self, seq: Sequence, num_blocks: int) -> None:
+        """Release the sequence's first ``num_blocks`` blocks now (null entries from here on):
+        their KV is never read again, or never arrived (a handoff sends only the window)."""
+        table = seq.block_table
+        for i in range(min(num_blocks, len(table)) - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break  # released earlier, and so is everything before it
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Release the blocks no future query of ``seq`` can see (see the module docstring)."""
+        if self.kv_window is not None:
+            first_key = seq.num_computed_tokens - self.kv_window + 1
+            self.release_before(seq, max(0, first_key) // self.block_size)
+
+    def _release(self, block_id: int) -> None:
+        ref = self._ref_counts[block_id] - 1
+        if ref < 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        self._ref_counts[block_id] = ref
+        if ref == 0:
+            if self._block_hash[block_id] is None:
+                self._free[self.tier(block_id)].append(block_id)
+            else:
+                self._evictable[self.tier(block_id)][block_id] = None
+
     # --- prefix caching -----------------------------------------------------------------------
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish the hashes of ``seq``'s full blocks whose KV is now computed."""
+        """Publish the hashes of ``seq``'s full blocks whose KV is now computed, then release
+        those outside its window (after: published, they stay prefix hits)."""
+        self._publish(seq)
+        self.release_outside_window(seq)
+
+    def _publish(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
@@ -193,8 +245,13 @@ class BlockManager:
         for i in range(start, num_full):
             block_id, block_hash = seq.block_table[i], hashes[i]
             # Already published (it was a prefix hit), or the same content was computed twice
-            # concurrently: the first published copy stays the one lookups find.
-            if self._block_hash[block_id] is None and block_hash not in self._hash_to_block:
+            # concurrently: the first published copy stays the one lookups find. A null entry
+            # holds nothing to publish.
+            if (
+                block_id != NULL_BLOCK
+                and self._block_hash[block_id] is None
+                and block_hash not in self._hash_to_block
+            ):
                 self._block_hash[block_id] = block_hash
                 self._hash_to_block[block_hash] = block_id
         self._num_published_blocks[seq.request_id] = num_full

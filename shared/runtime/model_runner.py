@@ -18,7 +18,6 @@ import structlog
 import torch
 
 from shared.config import BatonConfig
-from shared.limits import Limits
 from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
 from shared.runtime.cpu_argmax import load_argmax
@@ -83,7 +82,6 @@ class ModelRunner:
                 max_model_len=max_len,
                 max_seq_tokens=self.max_seq_tokens,
             )
-        check_sliding_window(cfg, config, self.max_seq_tokens)
         self.model_config: ModelConfig
         self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
         kv_shape = (
@@ -266,27 +264,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return self.sampler(
             logits, [s.sampling for s in sample_seqs], [s.num_tokens for s in sample_seqs]
-        )
-
-
-def check_sliding_window(cfg: ModelConfig, config: BatonConfig, num_cache_tokens: int) -> None:
-    """Refuse a sliding-window model whose sequences could outgrow the window.
-
-    The engine computes full attention; that equals sliding-window attention exactly while every
-    key a query sees lies inside its window, which holds for every sequence when
-    ``max_model_len <= sliding_window`` (max_model_len as the engines apply it: ``Limits``).
-    """
-    window = cfg.sliding_window
-    if window is None:
-        return
-    max_model_len = Limits.build(
-        config, cfg.max_position_embeddings, num_cache_tokens
-    ).max_model_len
-    if max_model_len > window:
-        raise ValueError(
-            f"the model uses sliding-window attention (sliding_window={window}) and Baton "
-            f"computes full attention, which is exact only for sequences up to the window; "
-            f"max_model_len here is {max_model_len}: set BATON_MAX_MODEL_LEN<={window}"
         )
 
 

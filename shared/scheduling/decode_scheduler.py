@@ -120,8 +120,7 @@ class DecodeScheduler(SchedulerBase):
             r = rank(s)
             if below is None or r < below:
                 # Blocks only the victim references come back; shared ones may not.
-                freeable = sum(1 for b in s.block_table if bm.ref_count(b) == 1)
-                out.append(Candidate(s.request_id, r, started, freeable))
+                out.append(Candidate(s.request_id, r, started, bm.num_freeable_blocks(s)))
         return out
 
     # --- one step -------------------------------------------------------------------------------

@@ -173,14 +173,17 @@ class KVDescriptor:
 
     ``payload`` belongs to the transport named by ``transport`` and is read by nothing else;
     ``version`` is that transport's payload version, so a receiver refuses a layout it does not
-    know instead of reading wrong KV. ``num_tokens`` is how many leading positions it holds.
+    know instead of reading wrong KV. ``num_tokens`` is how many leading positions it covers;
+    ``first_block``: the index (in the request's block table) of the first block it holds —
+    the blocks before lie outside every layer's sliding window and were never sent.
     """
 
-    transport: str  # "shm" | "pool" | "cuda-ipc"
+    transport: str  # "shm" | "pool" | "cuda-ipc" | "mooncake"
     version: int
     num_tokens: int
     nbytes: int
     payload: dict[str, Any]
+    first_block: int = 0
 
     @classmethod
     def from_map(cls, d: dict[str, Any]) -> KVDescriptor:

@@ -26,7 +26,7 @@ from shared.engine.outputs import (
     StepOutput,
 )
 from shared.engine.prefill import PrefillEngine
-from shared.models.tiny.builder import ensure_tiny_model
+from shared.models.tiny.builder import ensure_tiny_model, model_dir_name
 from shared.runtime import ModelRunner, SamplingParams, Sequence
 
 MODELS_DIR = REPO_ROOT / "models"
@@ -43,11 +43,11 @@ def built_or_skip(kernel: K | None, fallback: str) -> K:
     return kernel
 
 
-def tiny_model_dir(arch: str, preset: str = "tiny") -> Path:
-    """The built-in model for (preset, arch), built once into the git-ignored models/ folder
-    (tiny llama is the default model dir itself)."""
-    name = "tiny" if (preset, arch) == ("tiny", "llama") else f"{preset}-{arch}"
-    return ensure_tiny_model(MODELS_DIR / name, preset=preset, arch=arch)
+def tiny_model_dir(arch: str, preset: str = "tiny", window: int | None = None) -> Path:
+    """The built-in model for (preset, arch[, sliding window]), built once into the git-ignored
+    models/ folder (tiny llama is the default model dir itself)."""
+    name = model_dir_name(preset, arch, window)
+    return ensure_tiny_model(MODELS_DIR / name, preset=preset, arch=arch, window=window)
 
 
 def make_runner(model_dir: Path, num_kv_blocks: int = 256, **overrides: object) -> ModelRunner:
