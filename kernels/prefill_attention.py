@@ -211,7 +211,8 @@ def prefill_attention_ref(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference in fp32 with the causal diagonal aligned to the sequence's end."""
+    """Pure-torch reference in fp32 with the causal diagonal aligned to the sequence's end
+    (with a window: only the keys from the first query's window on are read)."""
     from kernels.paged_decode_attention import gather_kv
 
     group = q.shape[1] // k_cache.shape[2]
@@ -220,11 +221,13 @@ def prefill_attention_ref(
     for b, seq_len in enumerate(seq_lens.tolist()):
         q_b = q[cu[b] : cu[b + 1]].float()
         q_len = q_b.shape[0]
-        k = gather_kv(k_cache, block_tables[b], seq_len).float().repeat_interleave(group, 1)
-        v = gather_kv(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, 1)
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        k = gather_kv(k_cache, block_tables[b], seq_len)[first:]
+        v = gather_kv(v_cache, block_tables[b], seq_len)[first:]
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
         pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        pos_k = torch.arange(seq_len, device=q.device)[None, :]
+        pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
         visible = pos_k <= pos_q[:, None]
         if window is not None:
             visible &= pos_k > pos_q[:, None] - window
