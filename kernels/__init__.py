@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "paged_decode_attention",
+    "paged_decode_attention_packed",
     "prefill_attention",
     "store_kv",
     "triton_available",
@@ -61,6 +62,27 @@ def paged_decode_attention(
     return fn(  # type: ignore[no-any-return]
         q, k_cache, v_cache, block_tables, context_lens, scale,
         num_splits=num_splits, max_context_len=max_context_len, window=window,
+    )  # fmt: skip
+
+
+def paged_decode_attention_packed(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    fp: Any = None,
+    window: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Decode over an int8 cache of packed rows and its full-precision window ``fp`` (a
+    kernels.paged_decode_attention.FullPrecisionWindow). See kernels/int8_kv.py."""
+    fn = _impl("int8_kv", "paged_decode_attention_packed")
+    return fn(  # type: ignore[no-any-return]
+        q, k_pool, v_pool, block_tables, context_lens, scale,
+        fp=fp, window=window, max_context_len=max_context_len,
     )  # fmt: skip
 
 

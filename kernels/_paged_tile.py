@@ -37,6 +37,7 @@ def attend_kv_tile(
     stride_kh,
     stride_sb,
     stride_st,
+    stride_sh,
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -58,7 +59,7 @@ def attend_kv_tile(
         v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if KV_INT8:
-        scale_offs = block_ids * stride_sb + in_block * stride_st + kv_head
+        scale_offs = block_ids * stride_sb + in_block * stride_st + kv_head * stride_sh
         s = s * tl.load(k_scale_ptr + scale_offs, mask=n_valid, other=0.0)[None, :]
     s = tl.where(score_mask, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

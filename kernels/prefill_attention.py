@@ -96,7 +96,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             q, acc, l_i, m_i, offs_n, n_valid, visible,
             k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, 0, 0, qk_scale,
+            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
             BLOCK_SIZE, HEAD_DIM, False,
         )  # fmt: skip
     # Phase 2: the diagonal. Its first tile starts at or below every row's own position, so
@@ -111,7 +111,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             q, acc, l_i, m_i, offs_n, n_valid, visible,
             k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, 0, 0, qk_scale,
+            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
             BLOCK_SIZE, HEAD_DIM, False,
         )  # fmt: skip
 

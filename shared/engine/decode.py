@@ -192,10 +192,18 @@ class DecodeEngine(EngineCore):
         # its sender's window began (the blocks before hold nothing this sequence reads).
         first = max(seq.num_computed_tokens // bm.block_size, desc.first_block)
         last = bm.blocks_for(desc.num_tokens)
+        slots = bm.fp_slots(seq, desc.num_tokens)  # an int8 cache's window: after the blocks
         try:
             if not 0 <= desc.first_block <= last:
                 raise ValueError(f"first_block {desc.first_block} outside 0..{last}")
-            with self._device_ids(seq.block_table[first:last], read=False, write=True) as ids:
+            if desc.fp_slots != len(slots) or (slots and desc.fp_first_block != seq.fp_first_block):
+                raise ValueError(
+                    f"full-precision window: {desc.fp_slots} slots from block "
+                    f"{desc.fp_first_block} sent, {len(slots)} from {seq.fp_first_block} here "
+                    "(BATON_KV_FP_WINDOW must match between prefill and decode)"
+                )
+            block_ids = seq.block_table[first:last] + slots
+            with self._device_ids(block_ids, read=False, write=True) as ids:
                 result = self._receiver(desc).load(desc, ids, first - desc.first_block)
         except Exception:  # never wrong KV: recompute whatever was partly written
             log.exception("KV load failed; recomputing", request_id=seq.request_id)

@@ -54,6 +54,7 @@ class EngineCore(ABC):
             config.enable_prefix_caching,
             num_device_blocks=runner.tiers.num_device_blocks,
             kv_window=runner.model_config.kv_window,
+            **runner.fp_slots_config(),
         )
         mc = runner.model_config
         self.limits = Limits.build(config, mc.max_position_embeddings, runner.max_seq_tokens)
@@ -174,10 +175,16 @@ class EngineCore(ABC):
     def _send(self, sender: KVConnector, seq: Sequence) -> KVDescriptor | None:
         """Offer ``seq``'s computed KV to ``sender``: the blocks its window still holds (those
         before were released), the descriptor saying where they start."""
-        first, live = self.block_manager.live_blocks(seq, seq.num_computed_tokens)
-        with self._device_ids(live, read=True, write=False) as block_ids:
-            desc = sender.send(seq.request_id, block_ids, seq.num_computed_tokens)
-        return desc if desc is None or not first else dataclasses.replace(desc, first_block=first)
+        bm, num_tokens = self.block_manager, seq.num_computed_tokens
+        first, live = bm.live_blocks(seq, num_tokens)
+        slots = bm.fp_slots(seq, num_tokens)  # after the blocks: an int8 cache's window
+        with self._device_ids(live + slots, read=True, write=False) as block_ids:
+            desc = sender.send(seq.request_id, block_ids, num_tokens)
+        if desc is None or not (first or slots):
+            return desc
+        return dataclasses.replace(
+            desc, first_block=first, fp_first_block=seq.fp_first_block, fp_slots=len(slots)
+        )
 
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""

@@ -103,7 +103,9 @@ class KVConnector(ABC):
     # --- sending role ---------------------------------------------------------------------------
     @abstractmethod
     def send(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor | None:
-        """Offer the KV of the first ``num_tokens`` positions, held in ``block_ids``.
+        """Offer the KV of the first ``num_tokens`` positions, held in exactly ``block_ids`` (the
+        engine's choice: the blocks a sliding window still holds, then any full-precision
+        slots of an int8 cache; the descriptor's ``first_block``/``fp_slots`` say which).
 
         None: the transport cannot take it now (full); the engine keeps the duty to free."""
 
@@ -127,11 +129,6 @@ class KVConnector(ABC):
     def reclaim_orphans(self, now: float) -> int:
         """Housekeeping: free what no receiver will ever take; returns how many."""
         return 0
-
-    # --- helpers for implementations ------------------------------------------------------------
-    def blocks_for(self, num_tokens: int) -> int:
-        block_size = self.kv_cache.shape[3]
-        return (num_tokens + block_size - 1) // block_size
 
 
 # --- what the pooled transports (pool, cuda-ipc) share ----------------------------------------

@@ -34,14 +34,17 @@ import torch.nn.functional as F
 
 from shared.runtime.attention_triton import TritonAttentionBackend, block_table_tensor
 from shared.runtime.cpu_attention import DecodeKernel, KernelBatch, load_kernel
+from shared.runtime.cpu_int8_attention import Int8DecodeKernel, load_int8_kernel
 from shared.runtime.cpu_prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
+from shared.runtime.fp_window import FpBatch, FpWindow
 from shared.runtime.kv_codec import FloatKV, Int8KV, KVCodec
 
 log = structlog.get_logger(__name__)
 
 
 class AttentionMetadata(Protocol):
-    slot_mapping: torch.Tensor
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...
 
     def forward(
         self,
@@ -126,13 +129,14 @@ class DecodeRows:
         block_size: int,
         num_kv_heads: int,
     ) -> DecodeRows:
-        """``tables`` int64 ``[B, blocks]``, ``lens`` int64 ``[B]`` (on the pool's device)."""
+        """Positions ``starts .. lens - 1`` of each row (an empty range is all padding):
+        ``tables`` int64 ``[B, blocks]``, ``lens`` int64 ``[B]`` (on the pool's device)."""
         batch, dev = lens.shape[0], lens.device
         spans = lens if starts is None else lens - starts
         width = int(spans.max())
         cols = torch.arange(width, device=dev)
         pos = cols if starts is None else starts[:, None] + cols
-        pos = torch.minimum(pos.expand(batch, width), lens[:, None] - 1)
+        pos = torch.minimum(pos.expand(batch, width), lens[:, None] - 1).clamp_(min=0)
         slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
         kv_heads = torch.arange(num_kv_heads, device=dev)[:, None]
         k_rows = slots[:, None, :] * num_kv_heads + kv_heads
@@ -260,47 +264,6 @@ class CpuKernelDecodeMetadata:
 
 
 @dataclass
-class TorchQuantDecodeMetadata:
-    """Decode attention over a quantised cache: the batch's K rows and V rows are each read with
-    one index_select (as K is in :class:`TorchDecodeMetadata`), then two batched matmuls on the
-    int8 values. The per-row scales are folded in where they cost least: K's into the scores
-    (``q . (s k) = s (q . k)``), V's into the probabilities. The float path's in-place
-    ``embedding_bag`` over V needs float rows, so V is copied here too; the rows copied are a
-    quarter of fp32's bytes."""
-
-    slot_mapping: torch.Tensor  # int64 [B]
-    batch: DecodeBatch
-    scale: float
-    codec: Int8KV
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
-        decode_rows = self.batch.rows(window)
-        batch, num_heads, head_dim = q.shape
-        _, num_kv_heads, context = decode_rows.k_rows.shape
-        rows, width = decode_rows.k_rows.view(-1), kv_layer.shape[-1]
-        shape = (batch * num_kv_heads, context, head_dim)
-        k_vals, k_scale = self.codec.split(kv_layer[0].view(-1, width).index_select(0, rows))
-        scores = torch.bmm(
-            q.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim),
-            k_vals.to(q.dtype).view(shape).transpose(1, 2),
-        )
-        k_scale = k_scale.view(shape[0], 1, context)
-        scores = torch.addcmul(decode_rows.mask, scores, k_scale, value=self.scale)
-        probs = scores.float().softmax(-1)
-        v_vals, v_scale = self.codec.split(kv_layer[1].view(-1, width).index_select(0, rows))
-        probs = (probs * v_scale.view(shape[0], 1, context)).to(q.dtype)
-        return torch.bmm(probs, v_vals.to(q.dtype).view(shape)).view(batch, num_heads, head_dim)
-
-
-@dataclass
 class _Context:
     """The keys one prefill sequence's queries read from the cache under one window."""
 
@@ -316,6 +279,9 @@ class _PrefillSeq:
     context_len: int  # prefix + this chunk
     block_table: list[int]
     cached: bool  # the chunk continues a computed prefix: keys come from the cache
+    # int8 with a full-precision window (fp_window.py): its first position and its slots.
+    fp_start: int | None = None
+    fp_table: list[int] = field(default_factory=list)
     _contexts: dict[int | None, _Context] = field(default_factory=dict)
     _fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -338,6 +304,19 @@ class _PrefillSeq:
             got = _Context(block_rows(ids, num_blocks), first * block_size, mask)
             self._contexts[window] = got
         return got
+
+    def read_window(
+        self, kv: torch.Tensor, first: int, fp: FpWindow, kv_layer: torch.Tensor
+    ) -> None:
+        """Overwrite the rows of ``kv`` (positions ``first ..``, read as int8) that the
+        full-precision window holds with its copies."""
+        if self.fp_start is None or self.context_len <= max(first, self.fp_start):
+            return
+        lo = max(first, self.fp_start)
+        rel = torch.arange(lo - self.fp_start, self.context_len - self.fp_start)
+        slots = torch.tensor(self.fp_table, device=kv.device)[(rel // fp.sub_block).to(kv.device)]
+        rows = fp.view(kv_layer)[:, slots, (rel % fp.sub_block).to(kv.device)]
+        kv[:, lo - first : self.context_len - first] = rows.to(kv.dtype)
 
     def fresh_mask(self, window: int, device: torch.device) -> torch.Tensor:
         """A fresh prompt's causal mask within ``window`` (SDPA has no windowed is_causal)."""
@@ -364,6 +343,8 @@ class TorchPrefillMetadata:
     scale: float
     codec: KVCodec  # how the cache stores rows: a cached prefix is read back through it
     fresh: _KernelPrompts | None = None
+    fp: FpBatch | None = None  # int8's full-precision window: stored, and read back
+    fp_window: FpWindow | None = None
 
     def forward(
         self,
@@ -374,6 +355,8 @@ class TorchPrefillMetadata:
         window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        if self.fp is not None and self.fp_window is not None:
+            self.fp.store(self.fp_window.view(kv_layer), k, v)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         if self.fresh is not None:
@@ -390,6 +373,8 @@ class TorchPrefillMetadata:
                 ctx = s.context(window, num_blocks, block_size, q.device)
                 blocks = gather_blocks(kv_layer, ctx.kv_rows)
                 kv = self.codec.decode(blocks, q.dtype).flatten(1, 2)
+                if self.fp_window is not None:
+                    s.read_window(kv, ctx.first, self.fp_window, kv_layer)
                 span = s.context_len - ctx.first
                 ks, vs = kv[0, :span], kv[1, :span]
                 mask = ctx.mask
@@ -429,13 +414,27 @@ class TorchAttentionBackend:
         codec: KVCodec = FLOAT_KV,
         decode_kernel: DecodeKernel | None = None,
         prefill_kernel: PrefillKernel | None = None,
+        fp_window: FpWindow | None = None,
+        int8_kernel: Int8DecodeKernel | None = None,
     ):
         """``decode_kernel`` / ``prefill_kernel``: decode attention / fresh prompts' prefill
-        attention through the C kernels (fp32 on CPU, a float cache); None = the torch path."""
+        attention through the C kernels (fp32 on CPU, a float cache); None = the torch path.
+        ``fp_window``: an int8 cache's full-precision window; ``int8_kernel``: its decode
+        attention through C (fp32 on CPU)."""
         self.codec = codec
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
-        kernels = [n for n, k in (("decode", decode_kernel), ("prefill", prefill_kernel)) if k]
+        self.fp_window = fp_window
+        self.int8_kernel = int8_kernel
+        kernels = [
+            n
+            for n, k in (
+                ("decode", decode_kernel),
+                ("prefill", prefill_kernel),
+                ("int8", int8_kernel),
+            )
+            if k
+        ]
         if kernels:
             self.name = "torch+c-" + "+".join(kernels)
         self.num_blocks = num_blocks
@@ -445,8 +444,13 @@ class TorchAttentionBackend:
         self.device = device
 
     def decode_metadata(
-        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
-    ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata | CpuKernelDecodeMetadata:
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        fp: FpBatch | None = None,
+    ) -> AttentionMetadata:
+        """``fp``: the step's full-precision windows (an int8 cache with BATON_KV_FP_WINDOW)."""
         dev, bs = self.device, self.block_size
         context = max(context_lens)
         max_blocks = (context + bs - 1) // bs
@@ -459,11 +463,18 @@ class TorchAttentionBackend:
                 self.scale,
                 self.decode_kernel,
             )
-        lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
-        batch = DecodeBatch(tables, lens, bs, self.num_kv_heads)
         slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
         if isinstance(self.codec, Int8KV):
-            return TorchQuantDecodeMetadata(slot_tensor, batch, self.scale, self.codec)
+            # Here to avoid an import cycle: the int8 paths build on this module's rows.
+            from shared.runtime import attention_int8 as a8
+
+            store = a8.Store(slot_tensor, self.codec, fp, self.fp_window, self.int8_kernel)
+            batch8 = a8.Int8DecodeBatch.build(tables, context_lens, fp, self.fp_window, bs, dev)
+            if self.int8_kernel is not None:
+                return a8.Int8KernelDecodeMetadata(store, batch8, self.scale, self.int8_kernel)
+            return a8.TorchQuantDecodeMetadata(store, batch8, self.scale, self.num_kv_heads)
+        lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+        batch = DecodeBatch(tables, lens, bs, self.num_kv_heads)
         return TorchDecodeMetadata(slot_tensor, batch, self.scale)
 
     def prefill_metadata(
@@ -472,15 +483,19 @@ class TorchAttentionBackend:
         block_tables: list[list[int]],
         query_lens: list[int],
         context_lens: list[int],
+        fp: FpBatch | None = None,
     ) -> TorchPrefillMetadata:
         seqs: list[_PrefillSeq] = []
         fresh: list[tuple[int, int]] = []
         start = 0
-        for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+        for i, (bt, n, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
             if n == ctx and self.prefill_kernel is not None:
                 fresh.append((start, start + n))
             else:
-                seqs.append(_PrefillSeq(start, start + n, ctx, bt, cached=n != ctx))
+                seq = _PrefillSeq(start, start + n, ctx, bt, cached=n != ctx)
+                if fp is not None:
+                    seq.fp_start, seq.fp_table = fp.starts[i], fp.tables[i]
+                seqs.append(seq)
             start += n
         kernel_prompts = None
         if fresh and self.prefill_kernel is not None:
@@ -492,6 +507,8 @@ class TorchAttentionBackend:
             scale=self.scale,
             codec=self.codec,
             fresh=kernel_prompts,
+            fp=fp,
+            fp_window=self.fp_window,
         )
 
 
@@ -509,19 +526,20 @@ def select_backend(
     dtype: torch.dtype = torch.float32,
     cpu_attention: str = "auto",
     head_dim: int | None = None,
+    fp_window: FpWindow | None = None,
 ) -> AttentionBackend:
-    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
-    decode over an fp32 float cache goes through the C kernel unless ``cpu_attention`` is
-    ``"torch"`` (or the kernel cannot be built), and so does a fresh prompt's prefill where
-    ``head_dim`` is given and the prefill kernel takes it (a multiple of 16, up to 256).
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU in
+    fp32, decode goes through a C kernel (over a float cache, or an int8 one and its
+    full-precision window ``fp_window``) unless ``cpu_attention`` is ``"torch"`` (or the kernel
+    cannot be built), and so does a fresh prompt's prefill where ``head_dim`` is given and the
+    prefill kernel takes it (a multiple of 16, up to 256).
 
-    A quantised cache takes the torch path on every device: the Triton decode kernel's int8
-    specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
+    An int8 cache on CUDA decodes through the Triton kernel's int8 specialisation, reading the
+    packed rows of kv_codec.py and the full-precision window in place; its prefill is torch's
+    (a fresh prompt attends to its own K/V; a chunk after a prefix dequantises it)."""
     if cpu_attention not in CPU_ATTENTION_MODES:
         raise ValueError(f"BATON_CPU_ATTENTION={cpu_attention!r}: one of {CPU_ATTENTION_MODES}")
-    if device.type == "cuda" and codec.quantized:
-        log.warning("int8 KV cache: torch attention (the Triton kernels read float caches)")
-    elif device.type == "cuda":
+    if device.type == "cuda":
         try:
             import kernels
 
@@ -529,16 +547,27 @@ def select_backend(
             # kernels imports lazily: the package loads without triton, its ops would not run.
             has_triton = getattr(kernels, "triton_available", lambda: True)()
             if has_triton and all(hasattr(kernels, name) for name in needed):
-                return TritonAttentionBackend(kernels, block_size, scale, device)
+                int8_prefill = None
+                if codec.quantized:  # decode: the packed-row kernel; prefill: torch's
+                    int8_prefill = TorchAttentionBackend(
+                        num_blocks, block_size, num_kv_heads, scale, device, codec,
+                        fp_window=fp_window,
+                    )  # fmt: skip
+                return TritonAttentionBackend(
+                    kernels, block_size, scale, device, int8_prefill, fp_window
+                )
             log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    kernel = prefill_kernel = None
-    if device.type == "cpu" and cpu_attention == "auto" and not codec.quantized:
-        if dtype == torch.float32:
+    kernel = prefill_kernel = int8_kernel = None
+    if device.type == "cpu" and cpu_attention == "auto" and dtype == torch.float32:
+        if codec.quantized:
+            int8_kernel = load_int8_kernel()
+        else:
             kernel = load_kernel()
-            if head_dim is not None and PrefillKernel.supports(head_dim):
-                prefill_kernel = load_prefill_kernel()
+        if head_dim is not None and PrefillKernel.supports(head_dim):
+            prefill_kernel = load_prefill_kernel()  # fresh prompts: their own K/V, any cache
     return TorchAttentionBackend(
-        num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel
-    )
+        num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel,
+        fp_window, int8_kernel,
+    )  # fmt: skip

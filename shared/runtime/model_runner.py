@@ -22,6 +22,7 @@ from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
 from shared.runtime.cpu_argmax import load_argmax
 from shared.runtime.cpu_rope import load_rope
+from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
 from shared.runtime.linear_layout import prepare_projections
@@ -54,6 +55,18 @@ class ModelRunner:
         # Everything that can refuse this model is checked before its weights are read.
         cfg = ModelConfig.from_dir(model_dir)
         self.kv_codec = make_kv_codec(config.kv_cache_dtype)
+        # int8's full-precision window (fp_window.py): slots of the pool the block manager hands
+        # out with the window's blocks.
+        self.fp_window = (
+            FpWindow.plan(config.kv_fp_window, self.block_size, cfg.head_dim, self.dtype)
+            if self.kv_codec.quantized
+            else None
+        )
+        if self.fp_window is not None and kv_host_cache_bytes:
+            raise ValueError(
+                "BATON_KV_HOST_CACHE_MB stages block tables, not an int8 cache's full-precision "
+                "window: set BATON_KV_FP_WINDOW=0 to use a host tier with int8"
+            )
         kv_dtype = self.kv_codec.cache_dtype(self.dtype)
         row_width = self.kv_codec.row_width(cfg.head_dim)
         self.block_bytes = (
@@ -121,6 +134,7 @@ class ModelRunner:
             self.dtype,
             config.cpu_attention,
             cfg.head_dim,
+            self.fp_window,
         )
         # Greedy rows through the C argmax (the same indices as torch's).
         self.sampler = Sampler(load_argmax() if c_kernels else None)
@@ -135,6 +149,11 @@ class ModelRunner:
             attention=self.attn_backend.name,
             mkl_kernels="by features" if mkl_dispatch.preloaded() else "stock",
         )
+
+    def fp_slots_config(self) -> dict[str, int]:
+        """The block manager's full-precision window settings (BlockManager's keywords)."""
+        w = self.fp_window
+        return {"fp_window": w.tokens, "fp_slots_per_block": w.slots_per_block} if w else {}
 
     @property
     def max_seq_tokens(self) -> int:
@@ -221,8 +240,10 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_rows.append(i)
+        spans = [(e - n, e) for n, e in zip(num_new_tokens, context_lens, strict=True)]
+        fp = self._fp_batch(seqs, spans)
         meta = self.attn_backend.prefill_metadata(
-            slot_mapping, tables, num_new_tokens, context_lens
+            slot_mapping, tables, num_new_tokens, context_lens, fp
         )
         sampled = self._run(
             input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
@@ -237,9 +258,17 @@ class ModelRunner:
         positions = [seq.num_tokens - 1 for seq in seqs]
         slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         context_lens = [p + 1 for p in positions]
-        meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens)
+        fp = self._fp_batch(seqs, [(p, p + 1) for p in positions])
+        meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens, fp)
         input_ids = [seq.token_ids[-1] for seq in seqs]
         return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs)
+
+    def _fp_batch(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> FpBatch | None:
+        """The forward's full-precision windows (int8 with BATON_KV_FP_WINDOW), or None."""
+        if self.fp_window is None:
+            return None
+        firsts = [s.fp_first_block for s in seqs]
+        return fp_batch(self.fp_window, spans, firsts, [s.fp_blocks for s in seqs], self.device)
 
     @torch.inference_mode()
     def _run(

@@ -175,7 +175,9 @@ class KVDescriptor:
     ``version`` is that transport's payload version, so a receiver refuses a layout it does not
     know instead of reading wrong KV. ``num_tokens`` is how many leading positions it covers;
     ``first_block``: the index (in the request's block table) of the first block it holds —
-    the blocks before lie outside every layer's sliding window and were never sent.
+    the blocks before lie outside every layer's sliding window and were never sent. An int8
+    cache's full-precision window travels after the blocks: ``fp_slots`` more block ids, the
+    model-dtype copies of blocks ``fp_first_block ..`` (shared/runtime/fp_window.py).
     """
 
     transport: str  # "shm" | "pool" | "cuda-ipc" | "mooncake"
@@ -184,6 +186,8 @@ class KVDescriptor:
     nbytes: int
     payload: dict[str, Any]
     first_block: int = 0
+    fp_first_block: int = 0
+    fp_slots: int = 0
 
     @classmethod
     def from_map(cls, d: dict[str, Any]) -> KVDescriptor:
