@@ -95,6 +95,10 @@ class BatonConfig:
     # blocks) are also kept in the model's dtype and attention reads them from there, exact; the
     # older ones only as int8 (shared/runtime/fp_window.py). 0 = every token as int8.
     kv_fp_window: int = 128
+    # Transports that read the sender's memory remotely (mooncake): hand a prompt off before
+    # computing it and let decode pull each layer as prefill writes it (kv_transfer/layerwise.py);
+    # off: the whole request after its last forward.
+    kv_layerwise: bool = True
     enable_prefix_caching: bool = True
     # --- prefill scheduling -------------------------------------------------------------------
     # Token budget of one prefill forward (short prompts batched, long ones chunked to fit).

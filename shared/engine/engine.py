@@ -172,14 +172,26 @@ class EngineCore(ABC):
             return nullcontext(block_ids)
         return tier.device_ids(block_ids, read=read, write=write)
 
-    def _send(self, sender: KVConnector, seq: Sequence) -> KVDescriptor | None:
+    def _send(
+        self, sender: KVConnector, seq: Sequence, announce: bool = False
+    ) -> KVDescriptor | None:
         """Offer ``seq``'s computed KV to ``sender``: the blocks its window still holds (those
-        before were released), the descriptor saying where they start."""
-        bm, num_tokens = self.block_manager, seq.num_computed_tokens
+        before were released), the descriptor saying where they start. ``announce``: before the
+        prompt is computed (a layer-wise handoff): the blocks its window will hold at the end."""
+        bm = self.block_manager
+        num_tokens = seq.num_tokens if announce else seq.num_computed_tokens
         first, live = bm.live_blocks(seq, num_tokens)
+        if announce:
+            first = max(first, bm.first_kept_block(num_tokens))
+            live = seq.block_table[first : bm.blocks_for(num_tokens)]
         slots = bm.fp_slots(seq, num_tokens)  # after the blocks: an int8 cache's window
         with self._device_ids(live + slots, read=True, write=False) as block_ids:
-            desc = sender.send(seq.request_id, block_ids, num_tokens)
+            if announce:
+                desc = sender.announce(
+                    seq.request_id, block_ids, num_tokens, seq.num_computed_tokens
+                )
+            else:
+                desc = sender.send(seq.request_id, block_ids, num_tokens)
         if desc is None or not (first or slots):
             return desc
         return dataclasses.replace(

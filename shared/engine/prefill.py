@@ -16,12 +16,14 @@ import time
 
 from shared.config import BatonConfig
 from shared.engine.engine import EngineCore
+from shared.engine.layerwise import PrefillStreams
 from shared.engine.outputs import Handoff, KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.kv_transfer.connector import KVConnector
 from shared.limits import check_stop
 from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillScheduler
+from shared.scheduling.prefill_scheduler import PrefillBatch
 from shared.scheduling.priority import wire_priority
 from shared.wire.messages import KVRelease
 
@@ -51,9 +53,33 @@ class PrefillEngine(EngineCore):
         )
         # Sent to the connector, blocks not yet freed: request id -> its sequence.
         self._handed_off: dict[str, Sequence] = {}
+        # Layer-wise handoffs (layerwise.py): announced prompts, and the batch whose forward
+        # waits one step for their handoffs to go out.
+        layerwise = connector.layerwise and config.kv_layerwise and runner.host_tier is None
+        self._streams = PrefillStreams(connector) if layerwise else None
+        self._announced_batch: PrefillBatch | None = None
 
     def is_drained(self) -> bool:
         return super().is_drained() and not self._handed_off
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._announced_batch is not None
+
+    def _drop(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and self._streams is not None and self._streams.fail(request_id):
+            # Announced: decode may be reading its pinned blocks; they wait for its release.
+            self.scheduler.running.pop(request_id, None)
+            self._handed_off[request_id] = seq
+            del self.requests[request_id]
+            self._deadlines.pop(request_id, None)
+        else:
+            super()._drop(request_id)
+        batch = self._announced_batch
+        if batch is not None and seq in batch.seqs:  # it waited for its forward: not any more
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_new_tokens[i]
+            self._announced_batch = batch if batch.seqs else None
 
     def release(self, notice: KVRelease, now: float | None = None) -> None:
         """Decode is done with a request's KV (pooled transports)."""
@@ -67,13 +93,20 @@ class PrefillEngine(EngineCore):
         out = StepOutput()
         self._expire(now, out)
         self._free_handed_off(now)
-        batch = self.scheduler.schedule()
+        batch = self._announced_batch or self.scheduler.schedule()
+        self._announced_batch = None
         if not batch:
             return out
         self._started(batch.seqs, now)
+        if self._announce(batch, now, out):
+            self._announced_batch = batch  # computed next step, once the handoffs are out
+            return out
+        on_layer = self._streams.on_layer(batch) if self._streams is not None else None
         started, t0 = time.time(), time.perf_counter()
         tokens = self._forward(
-            batch.seqs, out, lambda: self.runner.prefill(batch.seqs, batch.num_new_tokens)
+            batch.seqs,
+            out,
+            lambda: self.runner.prefill(batch.seqs, batch.num_new_tokens, on_layer),
         )
         if tokens is None:
             return out
@@ -85,11 +118,37 @@ class PrefillEngine(EngineCore):
         out.stats = self._stats(len(batch), batch.num_tokens, len(done), 0, forward_s)
         return out
 
+    def _announce(self, batch: PrefillBatch, now: float, out: StepOutput) -> bool:
+        """Hand off the batch's new prompts layer-wise before computing them (layerwise.py)."""
+        if self._streams is None:
+            return False
+        announced = False
+        for seq in batch.seqs:
+            if seq.request_id in self._streams or not self._streams.wanted(seq):
+                continue
+            t0 = time.perf_counter()
+            desc = self._send(self.connector, seq, announce=True)
+            if desc is None:  # the transport is full: handed off whole at the end instead
+                continue
+            self._streams.add(seq.request_id)
+            out.transfers.append(KVTransferStat(desc.transport, 0, time.perf_counter() - t0))
+            aged = self.priorities.effective(
+                seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
+            )
+            out.handoffs.append(Handoff(seq.request_id, [], desc, wire_priority(aged)))
+            announced = True
+        return announced
+
     def _finish_prompt(self, seq: Sequence, started: float, now: float, out: StepOutput) -> None:
         rid, token = seq.request_id, seq.last_token_id
         reason = check_stop(token, seq.num_output_tokens, seq.sampling, self.eos_token_ids)
         out.tokens.append(TokenOutput(rid, 0, [token], reason, scheduled_at=started))
-        if reason is None:
+        if self._streams is not None and rid in self._streams:
+            # Announced: its blocks are pinned for decode, which reads the first token (or
+            # that the request ended) from the progress record and releases them.
+            self._streams.end(rid, token, finished=reason is not None)
+            self._handed_off[rid] = seq
+        elif reason is None:
             t0 = time.perf_counter()
             tier = self.runner.host_tier
             on_host = tier is not None and tier.holds_host(seq.block_table)

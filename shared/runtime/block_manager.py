@@ -277,11 +277,16 @@ class BlockManager:
             table[i] = NULL_BLOCK
         self._age_fp_slots(seq)
 
+    def first_kept_block(self, num_computed: int) -> int:
+        """The first block a sequence with ``num_computed`` positions computed keeps: the one
+        holding the first key its next query sees (0 without a window)."""
+        if self.kv_window is None:
+            return 0
+        return max(0, num_computed - self.kv_window + 1) // self.block_size
+
     def release_outside_window(self, seq: Sequence) -> None:
         """Release the blocks no future query of ``seq`` can see (see the module docstring)."""
-        if self.kv_window is not None:
-            first_key = seq.num_computed_tokens - self.kv_window + 1
-            self.release_before(seq, max(0, first_key) // self.block_size)
+        self.release_before(seq, self.first_kept_block(seq.num_computed_tokens))
 
     def _release(self, block_id: int) -> None:
         ref = self._ref_counts[block_id] - 1

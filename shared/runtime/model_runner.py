@@ -161,11 +161,18 @@ class ModelRunner:
         return self.tiers.max_seq_blocks * self.block_size
 
     # --- forward passes -----------------------------------------------------------------------
-    def prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+    def prefill(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> list[int | None]:
         """Compute tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence.
 
         Returns a sampled token for each sequence whose chunk reaches its ``num_tokens`` (the
         prompt is complete), ``None`` for one that stopped mid-prompt (chunked prefill).
+        ``on_layer(n)``: called once the first ``n`` layers' KV is in the cache (a layer-wise
+        handoff publishes it; kv_transfer/layerwise.py).
         """
         if len(seqs) != len(num_new_tokens) or not seqs:
             raise ValueError("prefill needs one positive token count per sequence")
@@ -177,7 +184,7 @@ class ModelRunner:
             seqs,
             spans,
             lambda rows, tables: self._prefill(
-                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables
+                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables, on_layer
             ),
         )
 
@@ -218,7 +225,11 @@ class ModelRunner:
         return out
 
     def _prefill(
-        self, seqs: list[Sequence], num_new_tokens: list[int], tables: list[list[int]]
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        tables: list[list[int]],
+        on_layer: Callable[[int], None] | None = None,
     ) -> list[int | None]:
         bs = self.block_size
         input_ids: list[int] = []
@@ -242,9 +253,11 @@ class ModelRunner:
                 sampled_rows.append(i)
         spans = [(e - n, e) for n, e in zip(num_new_tokens, context_lens, strict=True)]
         fp = self._fp_batch(seqs, spans)
-        meta = self.attn_backend.prefill_metadata(
+        meta: AttentionMetadata = self.attn_backend.prefill_metadata(
             slot_mapping, tables, num_new_tokens, context_lens, fp
         )
+        if on_layer is not None:
+            meta = LayerProgress(meta, on_layer)
         sampled = self._run(
             input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
         )
@@ -294,6 +307,31 @@ class ModelRunner:
         return self.sampler(
             logits, [s.sampling for s in sample_seqs], [s.num_tokens for s in sample_seqs]
         )
+
+
+class LayerProgress:
+    """Attention metadata that reports each layer once its KV is stored: layers call their
+    attention in order, once per forward, so the n-th call has stored the first n layers."""
+
+    def __init__(self, meta: AttentionMetadata, on_layer: Callable[[int], None]) -> None:
+        self.meta, self.on_layer, self.layers = meta, on_layer, 0
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.meta.slot_mapping
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        out = self.meta.forward(q, k, v, kv_layer, window)
+        self.layers += 1
+        self.on_layer(self.layers)
+        return out
 
 
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

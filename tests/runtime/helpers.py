@@ -76,14 +76,16 @@ class ForwardLog:
         self.decodes: list[list[str]] = []  # per decode call: the request ids
         prefill, decode = runner.prefill, runner.decode
 
-        def spy_prefill(seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+        def spy_prefill(
+            seqs: list[Sequence], num_new_tokens: list[int], *args: Any
+        ) -> list[int | None]:
             self.prefills.append(
                 [
                     (s.request_id, s.num_computed_tokens, n, s.num_cached_tokens)
                     for s, n in zip(seqs, num_new_tokens, strict=True)
                 ]
             )
-            return prefill(seqs, num_new_tokens)
+            return prefill(seqs, num_new_tokens, *args)
 
         def spy_decode(seqs: list[Sequence]) -> list[int]:
             self.decodes.append([s.request_id for s in seqs])
@@ -272,7 +274,8 @@ class EnginePair:
         for e in out.errors:
             assert e.request_id not in self.errors and e.request_id not in self.finish
             self.errors[e.request_id] = e
-        handed_off = {h.request_id for h in out.handoffs}
+        # A layer-wise handoff leaves a step before its request retires at prefill.
+        handed_off = {h.request_id for h in out.handoffs} | self.handoffs.keys()
         for rid in out.retired:
             if rid not in self.finish and rid not in self.errors and rid not in handed_off:
                 self.expired.add(rid)
