@@ -345,6 +345,7 @@ class TorchPrefillMetadata:
     fresh: _KernelPrompts | None = None
     fp: FpBatch | None = None  # int8's full-precision window: stored, and read back
     fp_window: FpWindow | None = None
+    int8_kernel: Int8DecodeKernel | None = None  # quantises the new rows in C (same bytes)
 
     def forward(
         self,
@@ -354,7 +355,9 @@ class TorchPrefillMetadata:
         kv_layer: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        kernel = self.int8_kernel
+        if kernel is None or not kernel.store_kv(k, v, kv_layer, self.slot_mapping):
+            store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
         if self.fp is not None and self.fp_window is not None:
             self.fp.store(self.fp_window.view(kv_layer), k, v)
         out = torch.empty_like(q)
@@ -509,6 +512,7 @@ class TorchAttentionBackend:
             fresh=kernel_prompts,
             fp=fp,
             fp_window=self.fp_window,
+            int8_kernel=self.int8_kernel,
         )
 
 

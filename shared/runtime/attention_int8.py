@@ -84,11 +84,8 @@ class Store:
     kernel: Int8DecodeKernel | None = None  # quantises in C (the same bytes)
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
-        kernel, slots = self.kernel, self.slot_mapping
-        if kernel is None or not (
-            kernel.store(k, kv_layer[0], slots) and kernel.store(v, kv_layer[1], slots)
-        ):
-            store_kv_torch(k, v, kv_layer, slots, self.codec)
+        if self.kernel is None or not self.kernel.store_kv(k, v, kv_layer, self.slot_mapping):
+            store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
         if self.fp is not None and self.fp_window is not None:
             self.fp.store(self.fp_window.view(kv_layer), k, v)
 

@@ -71,7 +71,18 @@ class Int8DecodeKernel:
         self._store.restype = None
         self.max_threads = max(1, max_threads)
 
-    def store(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> bool:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor
+    ) -> bool:
+        """:meth:`store` of both pools of one layer; False: not taken (the caller's torch path
+        stores instead; nothing was written)."""
+        return self.store(k, kv_layer[0], slots, check_only=True) and (
+            self.store(k, kv_layer[0], slots) and self.store(v, kv_layer[1], slots)
+        )
+
+    def store(
+        self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, check_only: bool = False
+    ) -> bool:
         """Quantise ``x [T, Hkv, D]`` (fp32; tokens may be strided) into packed rows of ``pool``
         (one layer's K or V, int8 ``[blocks, bs, Hkv, D + 4]``) at ``slots`` — the bytes of
         kv_codec.Int8KV.encode. False (nothing written) for inputs it does not take."""
@@ -88,6 +99,8 @@ class Int8DecodeKernel:
             or slots.shape != (num_tokens,)
         ):
             return False
+        if check_only:
+            return True
         if num_tokens and not 0 <= int(slots.min()) <= int(slots.max()) < pool[..., 0, 0].numel():
             raise ValueError("a slot outside the pool")
         self._store(x.data_ptr(), x.stride(0), num_tokens, num_kv_heads, head_dim,

@@ -74,6 +74,8 @@ PRESETS: dict[str, Preset] = {
     # Benchmarks: 3.6M matmul params, so 64 requests x (128 + 64) tokens is ~88 GFLOP plus
     # attention. intermediate 576 = 9 x 64 keeps every matmul dim a multiple of 64.
     "bench": Preset(256, 4, 8, 4, 32, 576, 4096),
+    # The bench shape with room for long prompts (loadtest/longctx.py: 8k-token prompts).
+    "bench-long": Preset(256, 4, 8, 4, 32, 576, 4096, max_position_embeddings=16384),
 }
 
 # Init scales (std = gain / sqrt(fan_in) for projections), tuned by measuring greedy output.
