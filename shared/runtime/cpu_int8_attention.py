@@ -138,6 +138,7 @@ class Int8DecodeKernel:
         return out
 
     def parts(self, batch: int) -> int:
+        """The batch's row ranges, as cpu_attention.DecodeKernel splits them."""
         threads = min(self.max_threads, torch.get_num_threads())
         return min(threads, max(1, batch // MIN_ROWS_PER_THREAD))
 

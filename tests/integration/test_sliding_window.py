@@ -16,12 +16,11 @@ import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.launcher import LocalSystem, free_port_block, fresh_vhost
-from services.shell.registry import METRICS_ENDPOINTS
+from services.launcher import LocalSystem
 from shared.client import BatonClient
 from shared.runtime.model_config import ModelConfig
 from shared.wire.messages import DoneReply
-from tests.integration.conftest import KV_TRANSPORTS
+from tests.integration.conftest import KV_TRANSPORTS, running_system
 from tests.runtime.helpers import greedy, hf_greedy, tiny_model_dir, torch_threads
 
 pytestmark = pytest.mark.integration
@@ -31,25 +30,15 @@ WINDOW, PROMPT_LEN, MAX_TOKENS, NUM_PROMPTS = 48, 200, 80, 6
 
 @pytest_asyncio.fixture(scope="module", params=KV_TRANSPORTS)
 async def windowed(request: pytest.FixtureRequest) -> AsyncIterator[LocalSystem]:
-    transport = str(request.param)
     model = tiny_model_dir("mistral", window=WINDOW)
     assert ModelConfig.from_dir(model).kv_window == WINDOW
-    with fresh_vhost(prefix=f"baton-test-window-{transport}") as url:
-        env = {
-            "BATON_MODEL": str(model),
-            "BATON_KV_CACHE_MB": "16",
-            "BATON_MAX_NUM_BATCHED_TOKENS": "128",
-            "BATON_METRICS_PORT": str(free_port_block(len(METRICS_ENDPOINTS))),
-            "BATON_KV_TRANSPORT": transport,
-        }
-        system = LocalSystem(url, env=env)
-        system.start()
-        try:
-            await system.wait_ready()
-            yield system
-        finally:
-            code = system.stop()
-            print(f"baton ({transport}, window {WINDOW}) exited with {code}: {system.log_path}")
+    env = {
+        "BATON_MODEL": str(model),
+        "BATON_KV_CACHE_MB": "16",
+        "BATON_MAX_NUM_BATCHED_TOKENS": "128",
+    }
+    async with running_system(str(request.param), env, f"-window{WINDOW}") as system:
+        yield system
 
 
 async def test_window_shorter_than_prompt_and_generation_equals_hf(

@@ -77,7 +77,9 @@ class ForwardLog:
         prefill, decode = runner.prefill, runner.decode
 
         def spy_prefill(
-            seqs: list[Sequence], num_new_tokens: list[int], *args: Any
+            seqs: list[Sequence],
+            num_new_tokens: list[int],
+            on_layer: Callable[[int], None] | None = None,
         ) -> list[int | None]:
             self.prefills.append(
                 [
@@ -85,7 +87,7 @@ class ForwardLog:
                     for s, n in zip(seqs, num_new_tokens, strict=True)
                 ]
             )
-            return prefill(seqs, num_new_tokens, *args)
+            return prefill(seqs, num_new_tokens, on_layer)
 
         def spy_decode(seqs: list[Sequence]) -> list[int]:
             self.decodes.append([s.request_id for s in seqs])
