@@ -56,7 +56,9 @@ __all__ = [
 
 # 2: KVDescriptor became an opaque, versioned per-transport payload.
 # 3: StartInfo.batch_replies (the client's reply queue takes batches, see replies.py).
-SCHEMA_VERSION = 3
+# 4: KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
+#    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
+SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
 MAX_PRIORITY = 9
 
