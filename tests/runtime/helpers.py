@@ -205,7 +205,7 @@ class EnginePair:
         p_out = d_out = None
         if self.prefill.has_work():
             p_out = self.prefill.step(now)
-            self.collect(p_out)
+            self.collect(p_out, prefill=True)
             for h in p_out.handoffs:
                 self.handoffs[h.request_id] = h
                 req = dataclasses.replace(
@@ -263,7 +263,7 @@ class EnginePair:
         in_decode = self.decode.abort(request_id)
         return in_prefill or in_decode
 
-    def collect(self, out: StepOutput) -> None:
+    def collect(self, out: StepOutput, prefill: bool = False) -> None:
         """Gather a step's tokens and errors (tests that step one engine themselves call it)."""
         for t in out.tokens:
             assert t.request_id not in self.finish, f"{t.request_id} got tokens after finishing"
@@ -276,8 +276,9 @@ class EnginePair:
         for e in out.errors:
             assert e.request_id not in self.errors and e.request_id not in self.finish
             self.errors[e.request_id] = e
-        # A layer-wise handoff leaves a step before its request retires at prefill.
-        handed_off = {h.request_id for h in out.handoffs} | self.handoffs.keys()
+        handed_off = {h.request_id for h in out.handoffs}
+        if prefill:  # a layer-wise handoff leaves a step before its request retires there
+            handed_off |= self.handoffs.keys()
         for rid in out.retired:
             if rid not in self.finish and rid not in self.errors and rid not in handed_off:
                 self.expired.add(rid)
