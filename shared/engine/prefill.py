@@ -131,7 +131,9 @@ class PrefillEngine(EngineCore):
             if desc is None:  # the transport is full: handed off whole at the end instead
                 continue
             self._streams.add(seq.request_id)
-            out.transfers.append(KVTransferStat(desc.transport, 0, time.perf_counter() - t0))
+            out.transfers.append(
+                KVTransferStat(desc.transport, desc.nbytes, time.perf_counter() - t0)
+            )
             aged = self.priorities.effective(
                 seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
             )
