@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.runtime.attention import DecodeRows, store_kv_torch, window_starts
+from shared.runtime.attention import store_kv_torch
 from shared.runtime.cpu_int8_attention import Int8Batch, Int8DecodeKernel
+from shared.runtime.decode_rows import DecodeRows, window_starts
 from shared.runtime.fp_window import FpBatch, FpWindow
 from shared.runtime.kv_codec import Int8KV
 
