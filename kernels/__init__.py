@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "paged_decode_attention",
+    "paged_decode_attention_packed",
     "prefill_attention",
     "store_kv",
     "triton_available",
@@ -53,13 +54,35 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] against each sequence's paged KV; returns [B, Hq, D].
-    See kernels/paged_decode_attention.py."""
+    """q [B, Hq, D] against each sequence's paged KV (its last ``window`` positions, if given);
+    returns [B, Hq, D]. See kernels/paged_decode_attention.py."""
     fn = _impl("paged_decode_attention", "paged_decode_attention")
     return fn(  # type: ignore[no-any-return]
         q, k_cache, v_cache, block_tables, context_lens, scale,
-        num_splits=num_splits, max_context_len=max_context_len,
+        num_splits=num_splits, max_context_len=max_context_len, window=window,
+    )  # fmt: skip
+
+
+def paged_decode_attention_packed(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    fp: Any = None,
+    window: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Decode over an int8 cache of packed rows and its full-precision window ``fp`` (a
+    kernels.paged_decode_attention.FullPrecisionWindow). See kernels/int8_kv.py."""
+    fn = _impl("int8_kv", "paged_decode_attention_packed")
+    return fn(  # type: ignore[no-any-return]
+        q, k_pool, v_pool, block_tables, context_lens, scale,
+        fp=fp, window=window, max_context_len=max_context_len,
     )  # fmt: skip
 
 
@@ -73,13 +96,15 @@ def prefill_attention(
     scale: float,
     *,
     max_seqlen_q: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens q [total_q_tokens, Hq, D] over the paged cache
-    (their own K/V already stored). See kernels/prefill_attention.py."""
+    (their own K/V already stored), within a sliding ``window`` if given. See
+    kernels/prefill_attention.py."""
     fn = _impl("prefill_attention", "prefill_attention")
     return fn(  # type: ignore[no-any-return]
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-        max_seqlen_q=max_seqlen_q,
+        max_seqlen_q=max_seqlen_q, window=window,
     )  # fmt: skip
 
 

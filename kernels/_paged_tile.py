@@ -6,9 +6,9 @@ may straddle blocks), gathers K and V for one kv head, and folds them into the r
 (max, sum, acc) of the query rows. Scores live in the log2 domain: `qk_scale` already carries
 log2(e), so exp2 replaces exp.
 
-Invariant the callers keep: the first step they run for a row has at least one position that is
-unmasked for that row, so the running max is finite after it and exp2(m_old - m_new) never sees
--inf - -inf.
+A step in which a row sees no position at all (a sliding window's first tile can lie wholly
+before some rows' windows) leaves that row as it was: its max stays -inf, and the rescaling
+uses 0 in its place, so exp2 never sees -inf - -inf.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def attend_kv_tile(
     stride_kh,
     stride_sb,
     stride_st,
+    stride_sh,
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -58,12 +59,13 @@ def attend_kv_tile(
         v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if KV_INT8:
-        scale_offs = block_ids * stride_sb + in_block * stride_st + kv_head
+        scale_offs = block_ids * stride_sb + in_block * stride_st + kv_head * stride_sh
         s = s * tl.load(k_scale_ptr + scale_offs, mask=n_valid, other=0.0)[None, :]
     s = tl.where(score_mask, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if KV_INT8:
         p = p * tl.load(v_scale_ptr + scale_offs, mask=n_valid, other=0.0)[None, :]

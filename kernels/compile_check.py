@@ -38,14 +38,15 @@ class Spec:
     scalars: dict[str, str] = field(default_factory=dict)  # non-stride scalars -> type
 
 
-def _decode(dt: str, group: int, head_dim: int, int8: bool, split: bool) -> Spec:
+def _decode(dt: str, group: int, head_dim: int, int8: bool, split: bool, fp: bool = False) -> Spec:
+    """``fp``: an int8 cache's full-precision window (slots of 4 tokens)."""
     from kernels.paged_decode_attention import _config, _paged_decode_kernel
 
     cfg = _config(TORCH_DTYPES[dt], head_dim)
     kv = "i8" if int8 else dt
     out = "fp32" if split else dt
     return Spec(
-        f"decode {dt} group={group} D={head_dim} int8={int8} split={split}",
+        f"decode {dt} group={group} D={head_dim} int8={int8} split={split} fp={fp}",
         _paged_decode_kernel,
         {
             "q_ptr": dt,
@@ -55,6 +56,10 @@ def _decode(dt: str, group: int, head_dim: int, int8: bool, split: bool) -> Spec
             "v_scale_ptr": "fp32" if int8 else kv,
             "block_tables_ptr": "i32",
             "context_lens_ptr": "i32",
+            "fp_k_ptr": dt if fp else kv,
+            "fp_v_ptr": dt if fp else kv,
+            "fp_tables_ptr": "i32",
+            "fp_starts_ptr": "i32",
             "out_ptr": out,
             "m_ptr": out,
             "l_ptr": out,
@@ -67,19 +72,22 @@ def _decode(dt: str, group: int, head_dim: int, int8: bool, split: bool) -> Spec
             "BLOCK_N": cfg["BLOCK_N"],
             "KV_INT8": int8,
             "SPLIT_KV": split,
+            "HAS_FP": fp,
+            "FP_BLOCK": 4 if fp else 1,
         },  # fmt: skip
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        scalars={"qk_scale": "fp32", "tokens_per_split": "i32"},
+        scalars={"qk_scale": "fp32", "tokens_per_split": "i32", "window": "i32"},
     )
 
 
-def _prefill(dt: str, group: int, head_dim: int) -> Spec:
+def _prefill(dt: str, group: int, head_dim: int, window: bool = False) -> Spec:
     from kernels.prefill_attention import _config, _prefill_kernel
 
     cfg = _config(TORCH_DTYPES[dt], head_dim)
     return Spec(
-        f"prefill {dt} group={group} D={head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}",
+        f"prefill {dt} group={group} D={head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}"
+        + (" window" if window else ""),
         _prefill_kernel,
         {
             "q_ptr": dt,
@@ -96,10 +104,11 @@ def _prefill(dt: str, group: int, head_dim: int) -> Spec:
             "BLOCK_SIZE": 16,
             "BLOCK_M": cfg["BLOCK_M"],
             "BLOCK_N": cfg["BLOCK_N"],
+            "HAS_WINDOW": window,
         },  # fmt: skip
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        scalars={"qk_scale": "fp32"},
+        scalars={"qk_scale": "fp32", "window": "i32"},
     )
 
 
@@ -111,10 +120,12 @@ def specs(quick: bool) -> list[Spec]:
     out = [
         _decode("bf16", 4, 128, int8=False, split=False),
         _decode("bf16", 4, 128, int8=True, split=True),
+        _decode("bf16", 4, 128, int8=True, split=True, fp=True),
         Spec("split-KV reduce", _split_kv_reduce_kernel,
              {"acc_ptr": "fp32", "m_ptr": "fp32", "l_ptr": "fp32", "out_ptr": "bf16"},
              {"NUM_SPLITS": 33, "SPLITS_PAD": 64, "HEAD_DIM": 128}),
         _prefill("bf16", 4, 128),
+        _prefill("bf16", 4, 128, window=True),
         Spec("store_kv bf16", _store_kv_kernel,
              {"k_ptr": "bf16", "v_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16",
               "slot_mapping_ptr": "i64"},

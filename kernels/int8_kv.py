@@ -26,6 +26,7 @@ import triton.language as tl
 
 from kernels import _checks
 from kernels.paged_decode_attention import (
+    FullPrecisionWindow,
     check_decode_args,
     launch_paged_decode,
     paged_decode_attention,
@@ -206,3 +207,93 @@ def bench_int8_decode(
         "bf16_ms": ref_ms,
         "max_abs_err_vs_bf16_kernel": err.abs().max().item(),
     }
+
+
+def packed_views(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 pool of packed rows ``[blocks, bs, Hkv, D + 4]`` (D values, then the fp32 scale's
+    bytes: shared/runtime/kv_codec.py) as strided views: values ``[blocks, bs, Hkv, D]`` and
+    scales ``[blocks, bs, Hkv]``."""
+    head_dim = pool.shape[-1] - 4
+    return pool[..., :head_dim], pool.view(torch.float32)[..., head_dim // 4]
+
+
+def paged_decode_attention_packed(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    fp: FullPrecisionWindow | None = None,
+    window: int | None = None,
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """paged_decode_attention over an int8 cache of packed rows (``[blocks, bs, Hkv, D + 4]``,
+    contiguous), read in place; ``fp``: its full-precision window (positions from
+    ``fp.starts[b]`` on come from there); ``window``: a sliding window."""
+    _checks.check_device(q=q, k_pool=k_pool, v_pool=v_pool)
+    _checks.check_dtype("k_pool", k_pool, (torch.int8,))
+    _checks.check_same_dtype("v_pool", v_pool, "k_pool", k_pool)
+    _checks.check_contiguous("k_pool", k_pool)
+    _checks.check_contiguous("v_pool", v_pool)
+    (k_vals, k_scale), (v_vals, v_scale) = packed_views(k_pool), packed_views(v_pool)
+    _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
+    _checks.check_dtype("block_tables", block_tables, (torch.int32,))
+    _checks.check_dtype("context_lens", context_lens, (torch.int32,))
+    _checks.check_shape("q", q, (None, None, None))
+    _checks.check_shape("k_pool", k_pool, (None, None, None, q.shape[2] + 4))
+    _checks.check_shape("v_pool", v_pool, tuple(k_pool.shape))
+    _checks.check_shape("block_tables", block_tables, (q.shape[0], None))
+    _checks.check_shape("context_lens", context_lens, (q.shape[0],))
+    if q.shape[1] % k_pool.shape[2]:
+        raise ValueError(f"num_q_heads={q.shape[1]} is not a multiple of {k_pool.shape[2]}")
+    _checks.check_power_of_two("head_dim", q.shape[2], 16, 256)
+    if fp is not None:
+        for name, t in (("fp.k", fp.k), ("fp.v", fp.v)):
+            _checks.check_same_dtype(name, t, "q", q)
+            _checks.check_shape(name, t, (None, None, k_vals.shape[2], q.shape[2]))
+            _checks.check_unit_last_stride(name, t)
+        _checks.check_dtype("fp.tables", fp.tables, (torch.int32,))
+        _checks.check_dtype("fp.starts", fp.starts, (torch.int32,))
+        _checks.check_shape("fp.starts", fp.starts, (q.shape[0],))
+    return launch_paged_decode(
+        q, k_vals, v_vals, k_scale, v_scale, block_tables, context_lens, scale, num_splits,
+        max_context_len, window, fp,
+    )  # fmt: skip
+
+
+def paged_decode_attention_packed_ref(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    fp: FullPrecisionWindow | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Reference: each sequence's keys dequantised, its window's taken from ``fp``."""
+    from kernels.paged_decode_attention import gather_kv
+
+    group = q.shape[1] // k_pool.shape[2]
+    out = torch.zeros_like(q)
+    for b, n in enumerate(context_lens.tolist()):
+        kv = []
+        for pool, fp_pool in ((k_pool, None if fp is None else fp.k),
+                              (v_pool, None if fp is None else fp.v)):  # fmt: skip
+            rows = dequantize_kv_ref(*packed_views(pool), torch.float32)
+            x = gather_kv(rows, block_tables[b], n)
+            if fp is not None and fp_pool is not None:
+                start = int(fp.starts[b])
+                if start < n:
+                    x[start:] = gather_kv(fp_pool, fp.tables[b], n - start).float()
+            first = 0 if window is None else max(0, n - window)
+            kv.append(x[first:].repeat_interleave(group, 1))
+        if not n:
+            continue
+        scores = torch.einsum("hd,thd->ht", q[b].float(), kv[0]) * scale
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), kv[1]).to(q.dtype)
+    return out

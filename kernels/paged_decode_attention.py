@@ -11,11 +11,21 @@ combines them. The wrapper picks the split count from the grid size and a host-s
 the context length (never by reading context_lens, which would synchronise with the GPU).
 
 Context length 0 yields zeros: the running sum stays 0 and is replaced by 1 before dividing.
+
+Sliding window (``window`` > 0): the query, at position context_len - 1, sees the last
+``window`` positions only; splits cover that range, and blocks before it are never read.
+
+A full-precision window over an int8 cache (HAS_FP; shared/runtime/fp_window.py): positions
+from ``fp_starts[b]`` on are read from a second, float paged cache (``fp_k``/``fp_v``, block
+size FP_BLOCK, table ``fp_tables[b]`` relative to that position), the rest as int8; each split
+takes its positions from whichever holds them, in one online softmax.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -38,11 +48,16 @@ def _paged_decode_kernel(
     v_scale_ptr,
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
+    fp_k_ptr,  # [slots, FP_BLOCK, Hkv, D] in q's dtype (HAS_FP only)
+    fp_v_ptr,
+    fp_tables_ptr,  # [B, max_slots] int32
+    fp_starts_ptr,  # [B] int32: the window's first position
     out_ptr,  # [B, Hq, D] (single split) or fp32 acc partials [B, Hq, S, D]
     m_ptr,  # [B, Hq, S] fp32 partial max (split only)
     l_ptr,  # [B, Hq, S] fp32 partial sum (split only)
     qk_scale,
     tokens_per_split,
+    window,  # a sliding window; 0: none
     stride_qb,
     stride_qh,
     stride_kb,
@@ -50,7 +65,12 @@ def _paged_decode_kernel(
     stride_kh,
     stride_sb,
     stride_st,
+    stride_sh,
     stride_btb,
+    stride_fb,
+    stride_ft,
+    stride_fh,
+    stride_fbt,
     stride_ob,
     stride_oh,
     stride_os,
@@ -61,12 +81,17 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     KV_INT8: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    HAS_FP: tl.constexpr,
+    FP_BLOCK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * tokens_per_split
+    first = 0
+    if window > 0:
+        first = tl.maximum(context_len - window, 0)
+    start = first + split * tokens_per_split
     end = tl.minimum(context_len, start + tokens_per_split)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -79,15 +104,31 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    for n0 in range(start, end, BLOCK_N):
+    mid = end  # positions [start, mid) from the cache, [mid, end) from the window
+    fp_start = end
+    if HAS_FP:
+        fp_start = tl.load(fp_starts_ptr + seq)
+        mid = tl.minimum(tl.maximum(fp_start, start), end)
+    for n0 in range(start, mid, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
+        n_valid = offs_n < mid
         acc, l_i, m_i = attend_kv_tile(
             q, acc, l_i, m_i, offs_n, n_valid, n_valid[None, :],
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_sb, stride_st, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
             BLOCK_SIZE, HEAD_DIM, KV_INT8,
         )  # fmt: skip
+    if HAS_FP:
+        fp_table_ptr = fp_tables_ptr + seq.to(tl.int64) * stride_fbt
+        for n0 in range(mid, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < end
+            acc, l_i, m_i = attend_kv_tile(
+                q, acc, l_i, m_i, offs_n - fp_start, n_valid, n_valid[None, :],
+                fp_k_ptr, fp_v_ptr, fp_k_ptr, fp_v_ptr, fp_table_ptr, kv_head,
+                stride_fb, stride_ft, stride_fh, 0, 0, 0, qk_scale,
+                FP_BLOCK, HEAD_DIM, False,
+            )  # fmt: skip
 
     out_rows = seq.to(tl.int64) * stride_ob + heads * stride_oh
     if SPLIT_KV:
@@ -131,6 +172,16 @@ def _split_kv_reduce_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.where(l_total == 0.0, 1.0, l_total)
     o_ptrs = out_ptr + tl.program_id(0) * stride_ob + tl.program_id(1) * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class FullPrecisionWindow:
+    """The full-precision window of an int8 cache, as the decode kernel reads it."""
+
+    k: torch.Tensor  # [slots, FP_BLOCK, Hkv, D] in q's dtype (a strided view is fine)
+    v: torch.Tensor
+    tables: torch.Tensor  # int32 [B, max_slots]
+    starts: torch.Tensor  # int32 [B]: each window's first position
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
@@ -194,12 +245,20 @@ def launch_paged_decode(
     scale: float,
     num_splits: int | None,
     max_context_len: int | None,
+    window: int | None = None,
+    fp: FullPrecisionWindow | None = None,
 ) -> torch.Tensor:
-    """Launches on already-checked arguments; k_scale/v_scale given means an int8 cache."""
+    """Launches on already-checked arguments; k_scale/v_scale given means an int8 cache (whose
+    strides are the scales', the head's included: packed rows keep them inside the values);
+    ``fp``: its full-precision window."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     bound = block_tables.shape[1] * block_size
     max_len = bound if max_context_len is None else min(max_context_len, bound)
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window={window}: at least one key")
+        max_len = min(max_len, window)  # the positions a query reads
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_len, _checks.num_sms(q.device))
     if num_splits < 1:
@@ -221,16 +280,24 @@ def launch_paged_decode(
         target, stride_os = out, 0
     k_scale_arg = k_cache if k_scale is None else k_scale
     v_scale_arg = v_cache if v_scale is None else v_scale
-    stride_sb, stride_st = (0, 0) if k_scale is None else (k_scale.stride(0), k_scale.stride(1))
+    scale_strides = (0, 0, 0) if k_scale is None else k_scale.stride()
+    if fp is None:  # the pointer arguments are unused (HAS_FP is a constexpr)
+        fp_args: tuple[Any, ...] = (k_cache, v_cache, block_tables, context_lens)
+        fp_strides: tuple[int, ...] = (0, 0, 0, 0)
+        fp_block = 1
+    else:
+        fp_args = (fp.k, fp.v, fp.tables, fp.starts)
+        fp_strides, fp_block = (*fp.k.stride()[:3], fp.tables.stride(0)), fp.k.shape[1]
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale_arg, v_scale_arg, block_tables, context_lens,
-        target, m_part, l_part, scale * LOG2E, tokens_per_split,
+        q, k_cache, v_cache, k_scale_arg, v_scale_arg, block_tables, context_lens, *fp_args,
+        target, m_part, l_part, scale * LOG2E, tokens_per_split, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        stride_sb, stride_st, block_tables.stride(0),
+        *scale_strides, block_tables.stride(0), *fp_strides,
         target.stride(0), target.stride(1), stride_os,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_INT8=k_scale is not None,
-        SPLIT_KV=split_kv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT_KV=split_kv, HAS_FP=fp is not None, FP_BLOCK=fp_block,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split_kv:
         _split_kv_reduce_kernel[(batch, num_q_heads)](
@@ -251,19 +318,21 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
+    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens
+    (with ``window``: its last ``window`` of them).
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D] in q's dtype. Returns [B, Hq, D].
     num_splits: None picks split-KV automatically; 1 forces the single-pass kernel.
     max_context_len: an optional host-side bound on context_lens that sharpens the split
     choice (default: block_tables.shape[1] * block_size).
-    block_tables rows must hold valid block ids for every position below context_lens[b].
+    block_tables rows must hold valid block ids for every position the query sees.
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens, (q.dtype,))
     return launch_paged_decode(
         q, k_cache, v_cache, None, None, block_tables, context_lens, scale, num_splits,
-        max_context_len,
+        max_context_len, window,
     )  # fmt: skip
 
 
@@ -282,6 +351,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 math): gather each sequence's KV, repeat heads, softmax."""
     group = q.shape[1] // k_cache.shape[2]
@@ -289,8 +359,10 @@ def paged_decode_attention_ref(
     for b, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], context_len).float().repeat_interleave(group, 1)
-        v = gather_kv(v_cache, block_tables[b], context_len).float().repeat_interleave(group, 1)
+        first = 0 if window is None else max(0, context_len - window)
+        k = gather_kv(k_cache, block_tables[b], context_len)[first:]
+        v = gather_kv(v_cache, block_tables[b], context_len)[first:]
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
         scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
         out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -10,6 +10,10 @@ Flash-attention layout: one program per (q head, BLOCK_M query tile, sequence). 
 tile's first query position need no causal mask (phase 1); the rest, up to the tile's last
 query position, are masked (phase 2). The q head is grid axis 0 so the heads of one GQA group
 run side by side and share K/V tiles through L2; query tiles run longest-first for balance.
+
+Sliding window (``window`` > 0): query position p sees keys p - window + 1 .. p only; a tile's
+keys start at its first query's window, every tile masks by window, and blocks before are never
+read.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [total_q_tokens, Hq, D]
     qk_scale,
+    window,  # a sliding window (used when HAS_WINDOW)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -49,6 +54,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     q_head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -74,29 +80,38 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
 
-    # Phase 1: every position < prefix_len + m0 is visible to every row of the tile.
-    # (prefix_len + m0 < seq_len, so these positions are all inside the sequence.)
+    # Phase 1: every position < prefix_len + m0 is causally visible to every row of the tile
+    # (prefix_len + m0 < seq_len, so these positions are all inside the sequence); a window
+    # starts it at the first row's window and masks each row's own.
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix_len + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
     full_end = (prefix_len + m0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(lo, full_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < seq_len
+        visible = n_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
         acc, l_i, m_i = attend_kv_tile(
-            q, acc, l_i, m_i, offs_n, n_valid, n_valid[None, :],
+            q, acc, l_i, m_i, offs_n, n_valid, visible,
             k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, 0, 0, qk_scale,
+            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
             BLOCK_SIZE, HEAD_DIM, False,
         )  # fmt: skip
     # Phase 2: the diagonal. Its first tile starts at or below every row's own position, so
-    # each row (padding rows too) sees at least one key there and the running max is finite.
+    # each row (padding rows too) sees at least one key by its end.
     causal_end = tl.minimum(seq_len, prefix_len + m0 + BLOCK_M)
     for n0 in range(full_end, causal_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < seq_len
         visible = (offs_n[None, :] <= pos_m[:, None]) & n_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
         acc, l_i, m_i = attend_kv_tile(
             q, acc, l_i, m_i, offs_n, n_valid, visible,
             k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, 0, 0, qk_scale,
+            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
             BLOCK_SIZE, HEAD_DIM, False,
         )  # fmt: skip
 
@@ -127,13 +142,17 @@ def prefill_attention(
     scale: float,
     *,
     max_seqlen_q: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries q [total_q_tokens, Hq, D]; returns the same shape.
 
     Sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and has seq_lens[b] cached
     tokens (its new tokens included, already stored). max_seqlen_q, the longest q_len, sizes
     the grid; pass it when known on the host, else it is read from cu_seqlens_q (a GPU sync).
+    window: a sliding window (query position p sees keys p - window + 1 .. p).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: at least one key")
     _checks.check_device(
         q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
         block_tables=block_tables,
@@ -172,10 +191,11 @@ def prefill_attention(
     grid = (num_q_heads, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale * LOG2E,
+        window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=window is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
@@ -189,8 +209,10 @@ def prefill_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference in fp32 with the causal diagonal aligned to the sequence's end."""
+    """Pure-torch reference in fp32 with the causal diagonal aligned to the sequence's end
+    (with a window: only the keys from the first query's window on are read)."""
     from kernels.paged_decode_attention import gather_kv
 
     group = q.shape[1] // k_cache.shape[2]
@@ -199,11 +221,16 @@ def prefill_attention_ref(
     for b, seq_len in enumerate(seq_lens.tolist()):
         q_b = q[cu[b] : cu[b + 1]].float()
         q_len = q_b.shape[0]
-        k = gather_kv(k_cache, block_tables[b], seq_len).float().repeat_interleave(group, 1)
-        v = gather_kv(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, 1)
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        k = gather_kv(k_cache, block_tables[b], seq_len)[first:]
+        v = gather_kv(v_cache, block_tables[b], seq_len)[first:]
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
         pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
+        pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
+        visible = pos_k <= pos_q[:, None]
+        if window is not None:
+            visible &= pos_k > pos_q[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[cu[b] : cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

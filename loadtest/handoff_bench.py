@@ -95,7 +95,7 @@ class _Memcpy(KVConnector):
 
     def send(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
         self._sent.append(request_id)
-        return KVDescriptor(self.name, 1, num_tokens, self.blocks_for(num_tokens) * BLOCK_BYTES, {})
+        return KVDescriptor(self.name, 1, num_tokens, len(block_ids) * BLOCK_BYTES, {})
 
     def pop_freeable(self, now: float) -> list[str]:
         out, self._sent = self._sent, []

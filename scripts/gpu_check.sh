@@ -2,8 +2,9 @@
 # GPU check, one run on a lent H200 (torch, triton and pytest preinstalled there; the few pure-
 # Python packages missing there travel as wheels in .whl/, installed with --no-deps):
 #     OUT=/some/dir scripts/gpu_check.sh
-# 1. tests on CUDA: the Triton kernels at full size (tests/kernels), the engines on the Triton
-#    backend against the torch backend, the host tier of the KV cache with pinned host memory
+# 1. tests on CUDA: the Triton kernels at full size (tests/kernels: sliding windows and the
+#    int8 packed-row decode with its full-precision window too), the engines on the Triton
+#    backend against the torch backend (int8 with a window and a sliding window among them), the host tier of the KV cache with pinned host memory
 #    (tests/runtime/test_kv_tiers.py, tests/engine/test_host_tier.py), the GPU memory metrics;
 # 2. the kernel benchmarks (kernels/bench.py);
 # 3. the cuda-ipc KV handoff between two real processes (1k tokens of a Llama-3.1-8B-shaped KV);
@@ -41,7 +42,8 @@ print('triton', triton.__version__)"
 cat "$OUT/env.txt"
 
 # The tiny models, once, before any worker needs them (they travel in models/ when carried).
-"$PY" -c "from tests.runtime.helpers import tiny_model_dir; tiny_model_dir('llama')" || exit 1
+"$PY" -c "from tests.runtime.helpers import tiny_model_dir; tiny_model_dir('llama'); \
+tiny_model_dir('mistral', window=24)" || exit 1
 
 # Kernel compilation dominates the test time; spread it over processes when xdist is there.
 parallel=()

@@ -95,6 +95,14 @@ class BatonConfig:
     # per-(token, head) fp32 scale, ~1/4 of fp32's bytes (shared/runtime/kv_codec.py). Prefill and
     # decode must agree: a handoff between different caches is refused, never converted.
     kv_cache_dtype: str = "auto"
+    # With kv_cache_dtype=int8: each sequence's most recent tokens (at least this many, whole
+    # blocks) are also kept in the model's dtype and attention reads them from there, exact; the
+    # older ones only as int8 (shared/runtime/fp_window.py). 0 = every token as int8.
+    kv_fp_window: int = 128
+    # Transports that read the sender's memory remotely (mooncake): hand a prompt off before
+    # computing it and let decode pull each layer as prefill writes it (kv_transfer/layerwise.py);
+    # off: the whole request after its last forward.
+    kv_layerwise: bool = True
     enable_prefix_caching: bool = True
     # --- prefill scheduling -------------------------------------------------------------------
     # Token budget of one prefill forward (short prompts batched, long ones chunked to fit).

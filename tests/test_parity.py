@@ -5,13 +5,14 @@ with its own ModelRunner and KV cache, built and wired by ``tests/runtime/helper
 as the services build and wire them (plumbing only) — once per KV transport: ``shm`` (the spill
 store) and ``pool`` (decode copies from prefill's shared KV pool and releases it; a spill
 folder per test either way). fp32 on CPU,
-tiny llama / qwen2 / qwen3 / mistral (with ``sliding_window`` set: full attention is exact
-because the window covers max_model_len; a smaller window is refused, see
-tests/runtime/test_model_runner.py). Every completion must equal transformers'
-``generate(do_sample=False)`` token for token: batched and chunked prefill, sequences joining a
-running decode batch, prefix-cache hits in both engines, preemption with recompute, a handoff
-whose KV never reaches decode (decode recomputes), and a seeded sampled request that replays
-identically whatever happens to it.
+tiny llama / qwen2 / qwen3 / mistral (with ``sliding_window`` as long as the positions), and
+two with a 48-token sliding window, shorter than most prompts and generations here:
+``mistral-w48`` (every layer windowed: blocks outside the window are released and never handed
+off) and ``qwen2-w48`` (the upper layer windowed, the lower one full). Every completion must
+equal transformers' ``generate(do_sample=False)`` token for token: batched and chunked prefill,
+sequences joining a running decode batch, prefix-cache hits in both engines, preemption with
+recompute, a handoff whose KV never reaches decode (decode recomputes), and a seeded sampled
+request that replays identically whatever happens to it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class Model:
     hf: Any  # transformers PreTrainedModel
     cases: dict[str, Case]
     expected: dict[str, list[int]]  # case name -> HF greedy tokens
+    releases: bool = False  # every layer windowed: blocks outside the window are released
+
+    @property
+    def squeeze_blocks(self) -> int:
+        """Decode blocks two 40-token prompts generating 40 tokens each cannot share: 8 (128
+        tokens) for full attention; 6 when each holds at most its 48-token window's 4 blocks."""
+        return 6 if self.releases else 8
 
     def reference(self, prompt: list[int], sampling: SamplingParams) -> list[int]:
         with torch_threads(1):
@@ -136,19 +144,26 @@ def build_cases(path: Path, vocab_size: int) -> list[Case]:
     return cases
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+WINDOW = 48  # the windowed models' sliding window
+MODELS = (*ARCHS, f"mistral-w{WINDOW}", f"qwen2-w{WINDOW}")
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def model(request: pytest.FixtureRequest) -> Iterator[Model]:
     """One HF model and its greedy references per arch, shared by every scenario."""
-    arch = request.param
+    arch, _, window = str(request.param).partition("-w")
     with torch_threads(1):
-        path = tiny_model_dir(arch)
+        path = tiny_model_dir(arch, window=int(window) if window else None)
+        windows = ModelConfig.from_dir(path).layer_windows
         if arch == "mistral":  # in the suite with its window set, not silently ignored
-            window = ModelConfig.from_dir(path).sliding_window
-            assert window is not None and window >= 2048
+            assert windows == ((int(window) if window else 4096),) * len(windows)
+        elif window:
+            assert windows == (None, WINDOW)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         cases = build_cases(path, hf.config.vocab_size)
         expected = {c.name: hf_greedy(hf, c.prompt, c.sampling) for c in cases}
-        yield Model(arch, path, hf, {c.name: c for c in cases}, expected)
+        releases = ModelConfig.from_dir(path).kv_window is not None and bool(window)
+        yield Model(arch, path, hf, {c.name: c for c in cases}, expected, releases)
 
 
 @pytest.fixture(params=KV_TRANSPORTS)
@@ -255,10 +270,11 @@ def test_prefix_cache_hits_in_both_engines(model: Model, make_pair: PairFactory)
 
 def test_preemption_recomputes_to_the_same_tokens(model: Model, make_pair: PairFactory) -> None:
     """Decode has 8 blocks (128 tokens); two sequences growing from 41 to 79 tokens (3 to 5
-    blocks each) cannot both fit: the scheduler preempts the later arrival, the earlier one
-    finishes, and the victim comes back — its first blocks still cached, the rest recomputed."""
+    blocks each; at most 4 within a 48-token window, whose model gets 6 blocks) cannot both fit:
+    the scheduler preempts the later arrival, the earlier one finishes, and the victim comes
+    back — its first blocks still cached, the rest recomputed."""
     names = ("ids-40a", "ids-40b")
-    pair = make_pair(decode_blocks=8, decode={"decode_preemption": "recompute"})
+    pair = make_pair(decode_blocks=model.squeeze_blocks, decode={"decode_preemption": "recompute"})
     model.add(pair, *names)
     pair.run()
     assert pair.decode.scheduler.num_preemptions > 0
@@ -275,7 +291,7 @@ def test_preemption_swaps_out_and_in_to_the_same_tokens(
     store, the request back through baton.decode (here to the same worker: the cross-worker
     case is tests/engine/test_swap_preemption.py) and its KV is loaded, not recomputed."""
     names = ("ids-40a", "ids-40b")
-    pair = make_pair(decode_blocks=8)
+    pair = make_pair(decode_blocks=model.squeeze_blocks)
     model.add(pair, *names)
     pair.run()
     assert pair.decode.scheduler.num_swaps > 0 and pair.decode.scheduler.num_preemptions == 0
@@ -320,13 +336,15 @@ def test_handoff_without_kv_is_recomputed_by_decode(
 ) -> None:
     """KV that never reaches decode is recomputed there, in 64-token chunks. ``shm``: the spill
     store holds 10 blocks: some prompts' KV goes through it, ids-300's (19 blocks) never fits,
-    so its handoff carries no KV. ``pool``: every handoff names its blocks, but the lease ends
-    before decode may copy them: decode refuses each one (never reads KV that may be reused),
-    releases the pin and recomputes."""
+    so its handoff carries no KV (with a 48-token window a handoff holds 4 blocks at most: the
+    store holds 3). ``pool``: every handoff names its blocks, but the lease ends before decode
+    may copy them: decode refuses each one (never reads KV that may be reused), releases the pin
+    and recomputes."""
     names = ("chat-short", "ids-129", "ids-300", "text-long")
     decode = {"max_num_batched_tokens": 64}
     if transport == "shm":
-        pair = make_pair(spill_max_bytes=10 * BLOCK_BYTES, decode=decode)
+        store_blocks = 3 if model.releases else 10
+        pair = make_pair(spill_max_bytes=store_blocks * BLOCK_BYTES, decode=decode)
     else:
         pair = make_pair(decode=decode, **kv_never_arrives(transport))
     model.add(pair, *names)
@@ -370,12 +388,16 @@ def test_seeded_sampling_replays_identically(
     # ids-40a (41 -> 79 tokens) and s (28 -> 66) outgrow 8 decode blocks: s, the later arrival,
     # is preempted and recomputed.
     recompute = {"decode_preemption": "recompute"}
-    preempted = run("preempted", "ids-40a", decode_blocks=8, decode=recompute)
+    squeeze = model.squeeze_blocks
+    preempted = run("preempted", "ids-40a", decode_blocks=squeeze, decode=recompute)
     assert preempted.decode.scheduler.num_preemptions > 0
     assert preempted.decode_log.chunks("s")  # it was the victim: recomputed in decode
     assert preempted.tokens["s"] == alone
-    swapped = run("swapped", "ids-40a", decode_blocks=8)  # swapped out and in instead
-    assert swapped.swapped == ["s"] and swapped.tokens["s"] == alone
+    swapped = run("swapped", "ids-40a", decode_blocks=squeeze)  # swapped out and in instead
+    # Once; in 6 blocks beside a windowed ids-40a that frees its first block only at 64
+    # tokens, s may go out again right after coming back.
+    assert set(swapped.swapped) == {"s"} and swapped.tokens["s"] == alone
+    assert len(swapped.swapped) == 1 or model.releases
     without_kv = run("without-kv", **kv_never_arrives(transport))
     assert not without_kv.loads and without_kv.decode_log.chunks("s")  # recomputed in decode
     assert without_kv.tokens["s"] == alone

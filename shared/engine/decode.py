@@ -23,12 +23,14 @@ import structlog
 from shared.engine.engine import EngineCore
 from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.kv_transfer.connector import KVConnector
+from shared.kv_transfer.layerwise import FAILED, FINISHED, LayerwiseLoad
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
 from shared.scheduling.prefill_scheduler import PrefillBatch
 from shared.wire.messages import KVDescriptor, KVRelease
 
 log = structlog.get_logger(__name__)
+PULL_WAIT_S = 0.002  # an otherwise idle step waits this long for a layer-wise pull to land
 
 
 class DecodeEngine(EngineCore):
@@ -40,6 +42,9 @@ class DecodeEngine(EngineCore):
         self._swapped: dict[str, KVDescriptor] = {}  # swapped out this step, not yet handed on
         self.num_swaps_in = 0
         self._kv: dict[str, KVDescriptor] = {}  # not yet loaded, by request id
+        # Layer-wise handoffs being pulled into admitted sequences' blocks (their transport's
+        # threads write them); the scheduler leaves these sequences alone meanwhile.
+        self._pulls: dict[str, tuple[LayerwiseLoad, KVDescriptor]] = {}
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
         c = self.config
         return DecodeScheduler(
@@ -69,6 +74,12 @@ class DecodeEngine(EngineCore):
         self.scheduler.add(seq)
 
     def _drop(self, request_id: str) -> None:
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:  # stop writing into its blocks before they are freed
+            pull[0].cancel()
+            self.scheduler.loading.discard(request_id)
+            if pull[0].result.release is not None:
+                self._releases.append(pull[0].result.release)
         super()._drop(request_id)
         desc = self._kv.pop(request_id, None)
         if desc is not None:
@@ -86,8 +97,7 @@ class DecodeEngine(EngineCore):
         are freed by the scheduler right after) and hand the request on at the end of the step."""
         assert self.spill is not None
         try:
-            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
-                desc = self.spill.send(seq.request_id, block_ids, seq.num_computed_tokens)
+            desc = self._send(self.spill, seq)
         except Exception:
             log.exception("swap-out failed; recomputing", request_id=seq.request_id)
             return False
@@ -123,6 +133,7 @@ class DecodeEngine(EngineCore):
         self._started(admitted, now)
         for seq in admitted:
             self._load(seq, out)
+        self._land_pulls(out)
         sched = self.scheduler.schedule()
         self._hand_on_swapped(now, out)  # victims of admit() and schedule()
         if not sched:
@@ -176,11 +187,28 @@ class DecodeEngine(EngineCore):
         desc = self._kv.pop(seq.request_id, None)
         if desc is None:
             return
-        first = seq.num_computed_tokens // self.block_manager.block_size
-        last = self.block_manager.blocks_for(desc.num_tokens)
+        bm = self.block_manager
+        # Blocks before the prefix hits' end are here already; the descriptor's start where
+        # its sender's window began (the blocks before hold nothing this sequence reads).
+        first = max(seq.num_computed_tokens // bm.block_size, desc.first_block)
+        last = bm.blocks_for(desc.num_tokens)
+        slots = bm.fp_slots(seq, desc.num_tokens)  # an int8 cache's window: after the blocks
         try:
-            with self._device_ids(seq.block_table[first:last], read=False, write=True) as ids:
-                result = self._receiver(desc).load(desc, ids, first)
+            if not 0 <= desc.first_block <= last:
+                raise ValueError(f"first_block {desc.first_block} outside 0..{last}")
+            if desc.fp_slots != len(slots) or (slots and desc.fp_first_block != seq.fp_first_block):
+                raise ValueError(
+                    f"full-precision window: {desc.fp_slots} slots from block "
+                    f"{desc.fp_first_block} sent, {len(slots)} from {seq.fp_first_block} here "
+                    "(BATON_KV_FP_WINDOW must match between prefill and decode)"
+                )
+            block_ids = seq.block_table[first:last] + slots
+            receiver = self._receiver(desc)
+            if desc.payload.get("layerwise") and receiver.layerwise:
+                self._start_pull(seq, desc, receiver, block_ids, first - desc.first_block)
+                return
+            with self._device_ids(block_ids, read=False, write=True) as ids:
+                result = receiver.load(desc, ids, first - desc.first_block)
         except Exception:  # never wrong KV: recompute whatever was partly written
             log.exception("KV load failed; recomputing", request_id=seq.request_id)
             self._discard(desc)  # the sender may free its copy now, not at lease expiry
@@ -190,11 +218,62 @@ class DecodeEngine(EngineCore):
         if not result.loaded:
             log.warning("KV gone; recomputing", request_id=seq.request_id)
             return
+        bm.release_before(seq, desc.first_block)  # outside the window: never sent, never read
         seq.num_computed_tokens = max(seq.num_computed_tokens, desc.num_tokens)
         out.transfers.append(KVTransferStat(desc.transport, result.nbytes, result.seconds))
         if desc.num_tokens > seq.num_prompt_tokens:  # KV of generated tokens: a decode swapped it
             self.num_swaps_in += 1
             log.info("swapped in", request_id=seq.request_id, num_tokens=desc.num_tokens)
+
+    # --- layer-wise handoffs (kv_transfer/layerwise.py) -----------------------------------------
+    def _start_pull(
+        self,
+        seq: Sequence,
+        desc: KVDescriptor,
+        receiver: KVConnector,
+        block_ids: list[int],
+        skip: int,
+    ) -> None:
+        """Pull an announced prompt's KV as prefill writes it; the sequence waits out of the
+        scheduler's batch until the last layer and its first token are in (``_land_pulls``)."""
+        if self.runner.host_tier is not None:  # staged blocks: pulled whole, before the step
+            with self._device_ids(block_ids, read=False, write=True) as ids:
+                pull = receiver.start_load(desc, ids, skip)
+                pull.done.wait()
+        else:
+            pull = receiver.start_load(desc, block_ids, skip)
+        self._pulls[seq.request_id] = (pull, desc)
+        self.scheduler.loading.add(seq.request_id)
+
+    def _land_pulls(self, out: StepOutput) -> None:
+        """Sequences whose pull ended join the batch (with the first token prefill sampled), or
+        recompute, or end here (the request ended at prefill). With nothing else to run, wait a
+        moment for one: the step begins as soon as the last layer lands."""
+        if not self._pulls:
+            return
+        if all(rid in self.scheduler.loading for rid in self.scheduler.running):
+            pending = next(iter(self._pulls.values()))[0]
+            pending.done.wait(PULL_WAIT_S)
+        for rid, (pull, desc) in list(self._pulls.items()):
+            if not pull.done.is_set():
+                continue
+            del self._pulls[rid]
+            self.scheduler.loading.discard(rid)
+            if pull.result.release is not None:
+                out.releases.append(pull.result.release)
+            seq = self.requests[rid]
+            if pull.state in (FINISHED, FAILED):  # prefill answered it (last token or error)
+                self._drop(rid)
+                self._retire(rid, out)
+            elif pull.result.loaded:
+                self.block_manager.release_before(seq, desc.first_block)
+                seq.num_computed_tokens = max(seq.num_computed_tokens, desc.num_tokens)
+                seq.append_token(pull.first_token)
+                out.transfers.append(
+                    KVTransferStat(desc.transport, pull.result.nbytes, pull.result.seconds)
+                )
+            else:  # recompute: the first decode step samples the first token itself
+                log.warning("layer-wise KV did not arrive; recomputing", request_id=rid)
 
 
 def _surviving(sched: DecodeStep, results: dict[int, int | None]) -> DecodeStep:

@@ -9,6 +9,7 @@ returns. The runner, connectors, scheduler and prioritizer are the engine's own.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -70,6 +71,8 @@ class EngineCore(ABC):
             runner.block_size,
             config.enable_prefix_caching,
             num_device_blocks=runner.tiers.num_device_blocks,
+            kv_window=runner.model_config.kv_window,
+            **runner.fp_slots_config(),
         )
         mc = runner.model_config
         self.limits = runner.limits
@@ -252,6 +255,32 @@ class EngineCore(ABC):
             self._last_reclaim = now
             for connector in self.connectors:
                 connector.reclaim_orphans(now)
+
+    def _send(
+        self, sender: KVConnector, seq: Sequence, announce: bool = False
+    ) -> KVDescriptor | None:
+        """Offer ``seq``'s computed KV to ``sender``: the blocks its window still holds (those
+        before were released), the descriptor saying where they start. ``announce``: before the
+        prompt is computed (a layer-wise handoff): the blocks its window will hold at the end."""
+        bm = self.block_manager
+        num_tokens = seq.num_tokens if announce else seq.num_computed_tokens
+        first, live = bm.live_blocks(seq, num_tokens)
+        if announce:
+            first = max(first, bm.first_kept_block(num_tokens))
+            live = seq.block_table[first : bm.blocks_for(num_tokens)]
+        slots = bm.fp_slots(seq, num_tokens)  # after the blocks: an int8 cache's window
+        with self._device_ids(live + slots, read=True, write=False) as block_ids:
+            if announce:
+                desc = sender.announce(
+                    seq.request_id, block_ids, num_tokens, seq.num_computed_tokens
+                )
+            else:
+                desc = sender.send(seq.request_id, block_ids, num_tokens)
+        if desc is None or not (first or slots):
+            return desc
+        return dataclasses.replace(
+            desc, first_block=first, fp_first_block=seq.fp_first_block, fp_slots=len(slots)
+        )
 
     def _retire(self, request_id: str, out: StepOutput) -> None:
         """The request is done here; its blocks are already freed or handed to the connector."""

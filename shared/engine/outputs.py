@@ -33,7 +33,9 @@ class NewRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)  # decode: generated so far (>= 1)
+    # decode: generated so far (>= 1; none for a layer-wise handoff, whose first token comes
+    # with its KV: kv_transfer/layerwise.py)
+    output_token_ids: list[int] = field(default_factory=list)
     priority: int = 0
     arrival_time: float = 0.0  # wall clock
     deadline: float | None = None  # wall clock; None = no deadline

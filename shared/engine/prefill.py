@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from shared.engine.engine import EngineCore
+from shared.engine.layerwise import PrefillStreams
 from shared.engine.outputs import KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillScheduler
@@ -31,6 +32,11 @@ class PrefillEngine(EngineCore):
         # Sent to a connector, blocks not yet freed: request id -> its sequence.
         self._handed_off: dict[str, Sequence] = {}
         c = self.config
+        # Layer-wise handoffs (layerwise.py): announced prompts, and the batch whose forward
+        # waits one step for their handoffs to go out.
+        layerwise = self.connector.layerwise and c.kv_layerwise and self.runner.host_tier is None
+        self._streams = PrefillStreams(self.connector) if layerwise else None
+        self._announced_batch: PrefillBatch | None = None
         return PrefillScheduler(
             self.block_manager,
             c.max_num_batched_tokens,
@@ -40,6 +46,25 @@ class PrefillEngine(EngineCore):
 
     def is_drained(self) -> bool:
         return super().is_drained() and not self._handed_off
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._announced_batch is not None
+
+    def _drop(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and self._streams is not None and self._streams.fail(request_id):
+            # Announced: decode may be reading its pinned blocks; they wait for its release.
+            self.scheduler.running.pop(request_id, None)
+            self._handed_off[request_id] = seq
+            del self.requests[request_id]
+            self._deadlines.pop(request_id, None)
+        else:
+            super()._drop(request_id)
+        batch = self._announced_batch
+        if batch is not None and seq in batch.seqs:  # it waited for its forward: not any more
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_new_tokens[i]
+            self._announced_batch = batch if batch.seqs else None
 
     def release(self, notice: KVRelease, now: float | None = None) -> None:
         """Decode is done with a request's KV (pooled transports)."""
@@ -53,15 +78,23 @@ class PrefillEngine(EngineCore):
         out = StepOutput()
         self._expire(now, out)
         self._free_handed_off(now)
-        batch = self.scheduler.schedule()
+        batch = self._announced_batch or self.scheduler.schedule()
+        self._announced_batch = None
         if not batch:
             return out
         self._started(batch.seqs, now)
+        if self._announce(batch, now, out):
+            self._announced_batch = batch  # computed next step, once the handoffs are out
+            return out
         started, t0 = time.time(), time.perf_counter()
 
         def run(rows: list[int]) -> list[int | None]:
-            seqs, counts = batch.seqs, batch.num_new_tokens
-            return self.runner.prefill([seqs[r] for r in rows], [counts[r] for r in rows])
+            sub = PrefillBatch(
+                [batch.seqs[r] for r in rows], [batch.num_new_tokens[r] for r in rows]
+            )
+            # Announced prompts report each stored layer of the forward that computes them.
+            on_layer = self._streams.on_layer(sub) if self._streams is not None else None
+            return self.runner.prefill(sub.seqs, sub.num_new_tokens, on_layer)
 
         results = self._forward(batch.seqs, out, run)
         if not results:
@@ -77,17 +110,41 @@ class PrefillEngine(EngineCore):
         out.stats = self._stats(len(batch), batch.num_tokens, len(done), 0, forward_s)
         return out
 
+    def _announce(self, batch: PrefillBatch, now: float, out: StepOutput) -> bool:
+        """Hand off the batch's new prompts layer-wise before computing them (layerwise.py)."""
+        if self._streams is None:
+            return False
+        announced = False
+        for seq in batch.seqs:
+            if seq.request_id in self._streams or not self._streams.wanted(seq):
+                continue
+            t0 = time.perf_counter()
+            desc = self._send(self.connector, seq, announce=True)
+            if desc is None:  # the transport is full: handed off whole at the end instead
+                continue
+            self._streams.add(seq.request_id)
+            out.transfers.append(
+                KVTransferStat(desc.transport, desc.nbytes, time.perf_counter() - t0)
+            )
+            self._hand_off(seq, desc, now, out)  # no output token yet: decode reads it later
+            announced = True
+        return announced
+
     def _finish_prompt(self, seq: Sequence, started: float, now: float, out: StepOutput) -> None:
         rid, token = seq.request_id, seq.last_token_id
         reason = self.stop(token, seq.num_tokens, seq.num_output_tokens, seq.sampling)
         out.tokens.append(TokenOutput(rid, 0, [token], reason, scheduled_at=started))
-        if reason is None:
+        if self._streams is not None and rid in self._streams:
+            # Announced: its blocks are pinned for decode, which reads the first token (or
+            # that the request ended) from the progress record and releases them.
+            self._streams.end(rid, token, finished=reason is not None)
+            self._handed_off[rid] = seq
+        elif reason is None:
             t0 = time.perf_counter()
             tier = self.runner.host_tier
             on_host = tier is not None and tier.holds_host(seq.block_table)
             sender = self.spill if on_host and self.spill is not None else self.connector
-            with self._device_ids(seq.block_table, read=True, write=False) as block_ids:
-                desc = sender.send(rid, block_ids, seq.num_computed_tokens)
+            desc = self._send(sender, seq)
             if desc is None:  # the transport is full: decode recomputes
                 self.scheduler.free(seq)
             else:

@@ -15,8 +15,10 @@ Both roles see the engine's cache only through ``register_kv_cache`` (one tensor
 cache, head_dim + 4 for int8's packed rows; shared/runtime/kv_codec.py); no shell ever touches KV
 tensors. A transport moves whole blocks and never converts: two caches of different dtype or
 row width do not hand off.
-Layer-by-layer sends and swap-out/in fit the same verbs: a sender may publish its descriptor
-before all layers are written, and a decode engine may hold a sender role of its own.
+Swap-out/in fit the same verbs: a decode engine may hold a sender role of its own. A transport
+whose receiver reads the sender's memory remotely may also stream (``layerwise``;
+shared/kv_transfer/layerwise.py): the sender announces a prompt before computing it and
+publishes its progress layer by layer, the receiver pulls each layer as it is written.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
@@ -103,9 +106,38 @@ class KVConnector(ABC):
     # --- sending role ---------------------------------------------------------------------------
     @abstractmethod
     def send(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor | None:
-        """Offer the KV of the first ``num_tokens`` positions, held in ``block_ids``.
+        """Offer the KV of the first ``num_tokens`` positions, held in exactly ``block_ids`` (the
+        engine's choice: the blocks a sliding window still holds, then any full-precision
+        slots of an int8 cache; the descriptor's ``first_block``/``fp_slots`` say which).
 
         None: the transport cannot take it now (full); the engine keeps the duty to free."""
+
+    # --- layer-wise (layerwise.py; transports that set ``layerwise``) ---------------------------
+    layerwise = False
+
+    def announce(
+        self, request_id: str, block_ids: list[int], num_tokens: int, num_computed: int
+    ) -> KVDescriptor | None:
+        """``send`` before the KV exists: pin ``block_ids`` (the prompt's final blocks) and
+        open a progress record; positions below ``num_computed`` are written already."""
+        raise NotImplementedError(f"{self.name} hands off whole requests only")
+
+    def stream_chunk(self, request_id: str, tokens_upto: int) -> None:
+        """A forward of an announced prompt starts, writing positions up to ``tokens_upto``."""
+        raise NotImplementedError
+
+    def stream_layer(self, request_id: str, layers: int) -> None:
+        """The forward has written its first ``layers`` layers."""
+        raise NotImplementedError
+
+    def stream_end(self, request_id: str, state: int, first_token: int = 0) -> None:
+        """No more writes: ``layerwise.READY`` with the first token, FINISHED (it ended at its
+        first token) or FAILED (its forward failed, or it was cancelled)."""
+        raise NotImplementedError
+
+    def start_load(self, desc: KVDescriptor, block_ids: list[int], first_block: int) -> Any:
+        """``load`` of an announced descriptor, in the background: a LayerwiseLoad."""
+        raise NotImplementedError
 
     @abstractmethod
     def pop_freeable(self, now: float) -> list[str]:
@@ -134,11 +166,6 @@ class KVConnector(ABC):
         ``lease_expired`` (the receiver never released them: it died), ``pool_files``/
         ``owner_dead`` (a dead sender's pool). Exported as ``baton:kv_orphans_reclaimed_total``."""
         return {}
-
-    # --- helpers for implementations ------------------------------------------------------------
-    def blocks_for(self, num_tokens: int) -> int:
-        block_size = self.kv_cache.shape[3]
-        return (num_tokens + block_size - 1) // block_size
 
 
 # --- what the pooled transports (pool, cuda-ipc) share ----------------------------------------

@@ -209,7 +209,7 @@ class PooledConnector(KVConnector):
             # blocks itself and decode recomputes.
             log.warning("request pinned already; sending it without KV", request_id=request_id)
             return None
-        blocks = [int(b) for b in block_ids[: self.blocks_for(num_tokens)]]
+        blocks = [int(b) for b in block_ids]
         send_id, epochs, deadline = self._ledger.pin(request_id, blocks)
         kv = self.kv_cache
         payload = {

@@ -64,7 +64,7 @@ class ShmConnector(KVConnector):
 
     # --- sending role ---------------------------------------------------------------------------
     def send(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor | None:
-        index = torch.tensor(block_ids[: self.blocks_for(num_tokens)], dtype=torch.int64)
+        index = torch.tensor(block_ids, dtype=torch.int64)
         kv = self.kv_cache.index_select(2, index.to(self.kv_cache.device)).cpu().contiguous()
         nbytes = kv.numel() * kv.element_size()
         if self._estimate + nbytes > self.max_bytes:

@@ -14,12 +14,18 @@ The runner builds one metadata object per forward (tensors, masks, gather indice
 - triton (CUDA, when ``kernels`` imports; see attention_triton.py): the paged kernels read the
   pools in place.
 
+Sliding windows: each layer calls ``forward`` with its own window (ModelConfig.layer_windows;
+None = full attention). A query at position p sees keys ``p - window + 1 .. p`` (transformers'
+mask); the metadata keeps what each window needs (which rows, masks, starts) once per forward,
+built by the first layer that asks. No path reads a block below a sequence's window start: those
+blocks may have been freed (the block manager's null entries).
+
 Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see ENGINE.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -28,17 +34,26 @@ import torch.nn.functional as F
 
 from shared.runtime.attention_triton import TritonAttentionBackend, block_table_tensor
 from shared.runtime.cpu_attention import DecodeKernel, KernelBatch, load_kernel
+from shared.runtime.cpu_int8_attention import Int8DecodeKernel, load_int8_kernel
 from shared.runtime.cpu_prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
+from shared.runtime.decode_rows import DecodeBatch, window_starts
+from shared.runtime.fp_window import FpBatch, FpWindow
 from shared.runtime.kv_codec import FloatKV, Int8KV, KVCodec
 
 log = structlog.get_logger(__name__)
 
 
 class AttentionMetadata(Protocol):
-    slot_mapping: torch.Tensor
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -48,9 +63,11 @@ def attention(
     v: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (the new tokens) -> ``[T, Hq, D]``."""
-    return meta.forward(q, k, v, kv_layer)
+    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (the new tokens) -> ``[T, Hq, D]``; ``window``:
+    this layer's sliding window (None: every earlier key)."""
+    return meta.forward(q, k, v, kv_layer, window)
 
 
 def gather_blocks(kv_layer: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
@@ -92,44 +109,43 @@ class TorchDecodeMetadata:
     D]``, straight into ``[B * Hkv, L, D]``, the layout of one batched ``q @ Kᵀ`` (each KV head
     with its group of query heads; q head h uses KV head h // group, as in repeat_kv). V is never
     copied: ``embedding_bag`` sums each query head's V rows weighted by its probabilities, in
-    place. ``L`` is the longest context of the batch; a shorter one's padding rows point at real
-    slots (its own spare ones, or block 0's) and get probability exactly 0.
+    place (see :class:`DecodeRows` for the columns).
 
     On CPU a decode step streams every running sequence's KV from memory; this reads it once
     and writes one K copy, where gathering K and V for SDPA wrote both and read them twice.
     """
 
     slot_mapping: torch.Tensor  # int64 [B]
-    k_rows: torch.Tensor  # int64 [B, Hkv, L]: slot * Hkv + kv head (padding: block 0's slots)
-    mask: torch.Tensor  # fp32 [B * Hkv, 1, L] additive: 0 in the context, -inf in the padding
+    batch: DecodeBatch
     scale: float
-    # k_rows repeated for each query head of a group, [B * Hq, L]: built by the first layer
-    # (the backend does not know the group), reused by the others.
-    v_rows: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        rows = self.batch.rows(window)
         batch, num_heads, head_dim = q.shape
-        _, num_kv_heads, context = self.k_rows.shape
+        _, num_kv_heads, context = rows.k_rows.shape
         group = num_heads // num_kv_heads
-        if self.v_rows is None:
-            rows = self.k_rows[:, :, None, :].expand(batch, num_kv_heads, group, context)
-            self.v_rows = rows.reshape(batch * num_heads, context)
-        keys = kv_layer[0].view(-1, head_dim).index_select(0, self.k_rows.view(-1))
+        v_rows = rows.per_query_head(group)
+        keys = kv_layer[0].view(-1, head_dim).index_select(0, rows.k_rows.view(-1))
         scores = torch.baddbmm(
-            self.mask.to(q.dtype),
+            rows.mask.to(q.dtype),
             q.reshape(batch * num_kv_heads, group, head_dim),
             keys.view(batch * num_kv_heads, context, head_dim).transpose(1, 2),
             alpha=self.scale,
         )
         probs = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax; no-op casts in fp32
         out = F.embedding_bag(
-            self.v_rows,
+            v_rows,
             kv_layer[1].view(-1, head_dim),
             mode="sum",
-            per_sample_weights=probs.view(self.v_rows.shape),
+            per_sample_weights=probs.view(v_rows.shape),
         )
         return out.view(batch, num_heads, head_dim)
 
@@ -143,64 +159,99 @@ class CpuKernelDecodeMetadata:
     rows: KernelBatch  # block tables and context lengths, checked once per step
     scale: float
     kernel: DecodeKernel
+    _windowed: dict[int, KernelBatch] = field(default_factory=dict)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
-        return self.kernel.attend(q, kv_layer, self.rows, self.scale)
+        return self.kernel.attend(q, kv_layer, self.window_rows(window), self.scale)
+
+    def window_rows(self, window: int | None) -> KernelBatch:
+        if window is None:
+            return self.rows
+        rows = self._windowed.get(window)
+        if rows is None:
+            r = self.rows
+            rows = KernelBatch(
+                r.block_tables,
+                r.context_lens,
+                min(window, r.max_context_len),
+                r.block_size,
+                window_starts(r.context_lens, window),
+            )
+            self._windowed[window] = rows
+        return rows
 
 
 @dataclass
-class TorchQuantDecodeMetadata:
-    """Decode attention over a quantised cache: the batch's K rows and V rows are each read with
-    one index_select (as K is in :class:`TorchDecodeMetadata`), then two batched matmuls on the
-    int8 values. The per-row scales are folded in where they cost least: K's into the scores
-    (``q . (s k) = s (q . k)``), V's into the probabilities. The float path's in-place
-    ``embedding_bag`` over V needs float rows, so V is copied here too; the rows copied are a
-    quarter of fp32's bytes."""
+class _Context:
+    """The keys one prefill sequence's queries read from the cache under one window."""
 
-    slot_mapping: torch.Tensor  # int64 [B]
-    k_rows: torch.Tensor  # int64 [B, Hkv, L], as in TorchDecodeMetadata
-    mask: torch.Tensor  # fp32 [B * Hkv, 1, L]
-    scale: float
-    codec: Int8KV
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
-    ) -> torch.Tensor:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
-        batch, num_heads, head_dim = q.shape
-        _, num_kv_heads, context = self.k_rows.shape
-        rows, width = self.k_rows.view(-1), kv_layer.shape[-1]
-        shape = (batch * num_kv_heads, context, head_dim)
-        k_vals, k_scale = self.codec.split(kv_layer[0].view(-1, width).index_select(0, rows))
-        scores = torch.bmm(
-            q.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim),
-            k_vals.to(q.dtype).view(shape).transpose(1, 2),
-        )
-        k_scale = k_scale.view(shape[0], 1, context)
-        scores = torch.addcmul(self.mask, scores, k_scale, value=self.scale)
-        probs = scores.float().softmax(-1)
-        v_vals, v_scale = self.codec.split(kv_layer[1].view(-1, width).index_select(0, rows))
-        probs = (probs * v_scale.view(shape[0], 1, context)).to(q.dtype)
-        return torch.bmm(probs, v_vals.to(q.dtype).view(shape)).view(batch, num_heads, head_dim)
-
-
-@dataclass
-class _CachedPrefix:
-    """A chunk that continues a computed prefix attends over the cache, not just itself."""
-
-    kv_rows: torch.Tensor  # its blocks, see gather_blocks
-    context_len: int  # prefix + this chunk
-    mask: torch.Tensor  # bool [n, context_len]: causal, offset by the prefix
+    kv_rows: torch.Tensor  # its blocks from the window's first one, see gather_blocks
+    first: int  # the position of the first row gathered (a block boundary)
+    mask: torch.Tensor  # bool [n, context_len - first]: causal (and windowed), offset
 
 
 @dataclass
 class _PrefillSeq:
     query_start: int
     query_end: int
-    prefix: _CachedPrefix | None  # None: the chunk is the whole context (plain causal)
+    context_len: int  # prefix + this chunk
+    block_table: list[int]
+    cached: bool  # the chunk continues a computed prefix: keys come from the cache
+    # int8 with a full-precision window (fp_window.py): its first position and its slots.
+    fp_start: int | None = None
+    fp_table: list[int] = field(default_factory=list)
+    _contexts: dict[int | None, _Context] = field(default_factory=dict)
+    _fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def context(
+        self, window: int | None, num_blocks: int, block_size: int, device: torch.device
+    ) -> _Context:
+        """Blocks and mask for a chunk after a cached prefix: query i sits at position
+        ``ctx - n + i`` and sees keys ``max(0, pos - window + 1) .. pos``."""
+        got = self._contexts.get(window)
+        if got is None:
+            n, ctx = self.query_end - self.query_start, self.context_len
+            first = 0 if window is None else max(0, ctx - n - window + 1) // block_size
+            nblk = (ctx + block_size - 1) // block_size
+            ids = torch.tensor(self.block_table[first:nblk], device=device)
+            q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+            k_pos = torch.arange(first * block_size, ctx, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            got = _Context(block_rows(ids, num_blocks), first * block_size, mask)
+            self._contexts[window] = got
+        return got
+
+    def read_window(
+        self, kv: torch.Tensor, first: int, fp: FpWindow, kv_layer: torch.Tensor
+    ) -> None:
+        """Overwrite the rows of ``kv`` (positions ``first ..``, read as int8) that the
+        full-precision window holds with its copies."""
+        if self.fp_start is None or self.context_len <= max(first, self.fp_start):
+            return
+        lo = max(first, self.fp_start)
+        rel = torch.arange(lo - self.fp_start, self.context_len - self.fp_start)
+        slots = torch.tensor(self.fp_table, device=kv.device)[(rel // fp.sub_block).to(kv.device)]
+        rows = fp.view(kv_layer)[:, slots, (rel % fp.sub_block).to(kv.device)]
+        kv[:, lo - first : self.context_len - first] = rows.to(kv.dtype)
+
+    def fresh_mask(self, window: int, device: torch.device) -> torch.Tensor:
+        """A fresh prompt's causal mask within ``window`` (SDPA has no windowed is_causal)."""
+        mask = self._fresh_masks.get(window)
+        if mask is None:
+            pos = torch.arange(self.query_end - self.query_start, device=device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            self._fresh_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -218,25 +269,44 @@ class TorchPrefillMetadata:
     scale: float
     codec: KVCodec  # how the cache stores rows: a cached prefix is read back through it
     fresh: _KernelPrompts | None = None
+    fp: FpBatch | None = None  # int8's full-precision window: stored, and read back
+    fp_window: FpWindow | None = None
+    int8_kernel: Int8DecodeKernel | None = None  # quantises the new rows in C (same bytes)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        kernel = self.int8_kernel
+        if kernel is None or not kernel.store_kv(k, v, kv_layer, self.slot_mapping):
+            store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
+        if self.fp is not None and self.fp_window is not None:
+            self.fp.store(self.fp_window.view(kv_layer), k, v)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         if self.fresh is not None:
-            self.fresh.kernel.attend(q, k, v, self.fresh.prompts, self.scale, out)
+            self.fresh.kernel.attend(q, k, v, self.fresh.prompts, self.scale, out, window)
+        num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
         for s in self.seqs:
             rows = slice(s.query_start, s.query_end)
             mask = None
-            if s.prefix is None:
+            if not s.cached:
                 ks, vs = k[rows], v[rows]
+                if window is not None and s.query_end - s.query_start > window:
+                    mask = s.fresh_mask(window, q.device)
             else:
-                blocks = gather_blocks(kv_layer, s.prefix.kv_rows)
+                ctx = s.context(window, num_blocks, block_size, q.device)
+                blocks = gather_blocks(kv_layer, ctx.kv_rows)
                 kv = self.codec.decode(blocks, q.dtype).flatten(1, 2)
-                ks, vs = kv[0, : s.prefix.context_len], kv[1, : s.prefix.context_len]
-                mask = s.prefix.mask
+                if self.fp_window is not None:
+                    s.read_window(kv, ctx.first, self.fp_window, kv_layer)
+                span = s.context_len - ctx.first
+                ks, vs = kv[0, :span], kv[1, :span]
+                mask = ctx.mask
             # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
             # than its enable_gqa path, which falls back to unfused math on CPU).
             o = F.scaled_dot_product_attention(
@@ -273,13 +343,27 @@ class TorchAttentionBackend:
         codec: KVCodec = FLOAT_KV,
         decode_kernel: DecodeKernel | None = None,
         prefill_kernel: PrefillKernel | None = None,
+        fp_window: FpWindow | None = None,
+        int8_kernel: Int8DecodeKernel | None = None,
     ):
         """``decode_kernel`` / ``prefill_kernel``: decode attention / fresh prompts' prefill
-        attention through the C kernels (fp32 on CPU, a float cache); None = the torch path."""
+        attention through the C kernels (fp32 on CPU, a float cache); None = the torch path.
+        ``fp_window``: an int8 cache's full-precision window; ``int8_kernel``: its decode
+        attention through C (fp32 on CPU)."""
         self.codec = codec
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
-        kernels = [n for n, k in (("decode", decode_kernel), ("prefill", prefill_kernel)) if k]
+        self.fp_window = fp_window
+        self.int8_kernel = int8_kernel
+        kernels = [
+            n
+            for n, k in (
+                ("decode", decode_kernel),
+                ("prefill", prefill_kernel),
+                ("int8", int8_kernel),
+            )
+            if k
+        ]
         if kernels:
             self.name = "torch+c-" + "+".join(kernels)
         self.num_blocks = num_blocks
@@ -287,14 +371,17 @@ class TorchAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.device = device
-        self._block_offsets = torch.arange(block_size, device=device)
-        self._kv_heads = torch.arange(num_kv_heads, device=device)[:, None]
 
     def decode_metadata(
-        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
-    ) -> TorchDecodeMetadata | TorchQuantDecodeMetadata | CpuKernelDecodeMetadata:
-        dev, bs, num_kv_heads = self.device, self.block_size, self.num_kv_heads
-        batch, context = len(context_lens), max(context_lens)
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        fp: FpBatch | None = None,
+    ) -> AttentionMetadata:
+        """``fp``: the step's full-precision windows (an int8 cache with BATON_KV_FP_WINDOW)."""
+        dev, bs = self.device, self.block_size
+        context = max(context_lens)
         max_blocks = (context + bs - 1) // bs
         tables = block_table_tensor(block_tables, max_blocks, torch.int64, dev)
         if self.decode_kernel is not None:
@@ -305,16 +392,19 @@ class TorchAttentionBackend:
                 self.scale,
                 self.decode_kernel,
             )
-        slots = (tables[:, :, None] * bs + self._block_offsets).view(batch, -1)[:, :context]
-        lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
-        padding = torch.arange(context, device=dev) >= lens[:, None]
-        mask = torch.zeros(batch, context, device=dev).masked_fill_(padding, float("-inf"))
         slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
-        k_rows = slots[:, None, :] * num_kv_heads + self._kv_heads
-        mask = mask[:, None, None, :].expand(batch, num_kv_heads, 1, context).flatten(0, 1)
         if isinstance(self.codec, Int8KV):
-            return TorchQuantDecodeMetadata(slot_tensor, k_rows, mask, self.scale, self.codec)
-        return TorchDecodeMetadata(slot_tensor, k_rows, mask, self.scale)
+            # Here to avoid an import cycle: the int8 paths build on this module's rows.
+            from shared.runtime import attention_int8 as a8
+
+            store = a8.Store(slot_tensor, self.codec, fp, self.fp_window, self.int8_kernel)
+            batch8 = a8.Int8DecodeBatch.build(tables, context_lens, fp, self.fp_window, bs, dev)
+            if self.int8_kernel is not None:
+                return a8.Int8KernelDecodeMetadata(store, batch8, self.scale, self.int8_kernel)
+            return a8.TorchQuantDecodeMetadata(store, batch8, self.scale, self.num_kv_heads)
+        lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+        batch = DecodeBatch(tables, lens, bs, self.num_kv_heads)
+        return TorchDecodeMetadata(slot_tensor, batch, self.scale)
 
     def prefill_metadata(
         self,
@@ -322,34 +412,33 @@ class TorchAttentionBackend:
         block_tables: list[list[int]],
         query_lens: list[int],
         context_lens: list[int],
+        fp: FpBatch | None = None,
     ) -> TorchPrefillMetadata:
-        dev, bs = self.device, self.block_size
         seqs: list[_PrefillSeq] = []
         fresh: list[tuple[int, int]] = []
         start = 0
-        for bt, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+        for i, (bt, n, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
             if n == ctx and self.prefill_kernel is not None:
                 fresh.append((start, start + n))
-            elif n == ctx:
-                seqs.append(_PrefillSeq(start, start + n, None))
             else:
-                nblk = (ctx + bs - 1) // bs
-                kv_rows = block_rows(torch.tensor(bt[:nblk], device=dev), self.num_blocks)
-                # Query i sits at position ctx - n + i and sees keys 0..ctx - n + i.
-                q_pos = torch.arange(ctx - n, ctx, device=dev)
-                mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-                seqs.append(_PrefillSeq(start, start + n, _CachedPrefix(kv_rows, ctx, mask)))
+                seq = _PrefillSeq(start, start + n, ctx, bt, cached=n != ctx)
+                if fp is not None:
+                    seq.fp_start, seq.fp_table = fp.starts[i], fp.tables[i]
+                seqs.append(seq)
             start += n
         kernel_prompts = None
         if fresh and self.prefill_kernel is not None:
             prompts = FreshPrompts.of(fresh, start)
             kernel_prompts = _KernelPrompts(self.prefill_kernel, prompts)
         return TorchPrefillMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
             seqs=seqs,
             scale=self.scale,
             codec=self.codec,
             fresh=kernel_prompts,
+            fp=fp,
+            fp_window=self.fp_window,
+            int8_kernel=self.int8_kernel,
         )
 
 
@@ -367,19 +456,20 @@ def select_backend(
     dtype: torch.dtype = torch.float32,
     cpu_attention: str = "auto",
     head_dim: int | None = None,
+    fp_window: FpWindow | None = None,
 ) -> AttentionBackend:
-    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
-    decode over an fp32 float cache goes through the C kernel unless ``cpu_attention`` is
-    ``"torch"`` (or the kernel cannot be built), and so does a fresh prompt's prefill where
-    ``head_dim`` is given and the prefill kernel takes it (a multiple of 16, up to 256).
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU in
+    fp32, decode goes through a C kernel (over a float cache, or an int8 one and its
+    full-precision window ``fp_window``) unless ``cpu_attention`` is ``"torch"`` (or the kernel
+    cannot be built), and so does a fresh prompt's prefill where ``head_dim`` is given and the
+    prefill kernel takes it (a multiple of 16, up to 256).
 
-    A quantised cache takes the torch path on every device: the Triton decode kernel's int8
-    specialisation reads a separate scale tensor, not the packed rows of kv_codec.py."""
+    An int8 cache on CUDA decodes through the Triton kernel's int8 specialisation, reading the
+    packed rows of kv_codec.py and the full-precision window in place; its prefill is torch's
+    (a fresh prompt attends to its own K/V; a chunk after a prefix dequantises it)."""
     if cpu_attention not in CPU_ATTENTION_MODES:
         raise ValueError(f"BATON_CPU_ATTENTION={cpu_attention!r}: one of {CPU_ATTENTION_MODES}")
-    if device.type == "cuda" and codec.quantized:
-        log.warning("int8 KV cache: torch attention (the Triton kernels read float caches)")
-    elif device.type == "cuda":
+    if device.type == "cuda":
         try:
             import kernels
 
@@ -387,16 +477,27 @@ def select_backend(
             # kernels imports lazily: the package loads without triton, its ops would not run.
             has_triton = getattr(kernels, "triton_available", lambda: True)()
             if has_triton and all(hasattr(kernels, name) for name in needed):
-                return TritonAttentionBackend(kernels, block_size, scale, device)
+                int8_prefill = None
+                if codec.quantized:  # decode: the packed-row kernel; prefill: torch's
+                    int8_prefill = TorchAttentionBackend(
+                        num_blocks, block_size, num_kv_heads, scale, device, codec,
+                        fp_window=fp_window,
+                    )  # fmt: skip
+                return TritonAttentionBackend(
+                    kernels, block_size, scale, device, int8_prefill, fp_window
+                )
             log.warning("triton kernels unavailable; using torch attention")
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
-    kernel = prefill_kernel = None
-    if device.type == "cpu" and cpu_attention == "auto" and not codec.quantized:
-        if dtype == torch.float32:
+    kernel = prefill_kernel = int8_kernel = None
+    if device.type == "cpu" and cpu_attention == "auto" and dtype == torch.float32:
+        if codec.quantized:
+            int8_kernel = load_int8_kernel()
+        else:
             kernel = load_kernel()
-            if head_dim is not None and PrefillKernel.supports(head_dim):
-                prefill_kernel = load_prefill_kernel()
+        if head_dim is not None and PrefillKernel.supports(head_dim):
+            prefill_kernel = load_prefill_kernel()  # fresh prompts: their own K/V, any cache
     return TorchAttentionBackend(
-        num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel
-    )
+        num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel,
+        fp_window, int8_kernel,
+    )  # fmt: skip

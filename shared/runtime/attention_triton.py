@@ -12,14 +12,17 @@ from typing import Any
 
 import torch
 
+from shared.runtime.fp_window import FpBatch, FpWindow
+
 
 def block_table_tensor(
     block_tables: list[list[int]], width: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``[B, width]`` block tables, cut or padded with block 0 (padding is never read: every
-    backend masks positions past a sequence's context length)."""
+    backend masks positions past a sequence's context length). A freed block's null entry
+    (outside every sliding window: never read either) reads as block 0 too."""
     padded = [bt[:width] + [0] * (width - len(bt)) for bt in block_tables]
-    return torch.tensor(padded, dtype=dtype, device=device)
+    return torch.tensor(padded, dtype=dtype, device=device).clamp_(min=0)
 
 
 @dataclass
@@ -32,7 +35,12 @@ class TritonDecodeMetadata:
     ops: Any
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
         return self.ops.paged_decode_attention(
@@ -43,6 +51,7 @@ class TritonDecodeMetadata:
             self.context_lens,
             self.scale,
             max_context_len=self.max_context_len,
+            window=window,
         )
 
 
@@ -57,7 +66,12 @@ class TritonPrefillMetadata:
     ops: Any
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
         return self.ops.prefill_attention(
@@ -69,25 +83,93 @@ class TritonPrefillMetadata:
             self.block_tables,
             self.scale,
             max_seqlen_q=self.max_seqlen_q,
+            window=window,
+        )
+
+
+@dataclass
+class TritonInt8DecodeMetadata:
+    """An int8 cache: the packed rows read in place by the int8 specialisation of the decode
+    kernel, its full-precision window (fp_window.py) from the slots, in one pass."""
+
+    store: Any  # attention_int8.Store: int8 rows and the window's copies, written by torch ops
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    max_context_len: int
+    scale: float
+    ops: Any
+    fp_window: FpWindow | None
+    fp_tables: torch.Tensor | None  # int32 [B, max_slots]
+    fp_starts: torch.Tensor | None  # int32 [B]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.store.slot_mapping  # type: ignore[no-any-return]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        self.store(k, v, kv_layer)
+        fp = None
+        if self.fp_window is not None and self.fp_tables is not None and self.fp_starts is not None:
+            from kernels.paged_decode_attention import FullPrecisionWindow
+
+            view = self.fp_window.view(kv_layer)
+            fp = FullPrecisionWindow(view[0], view[1], self.fp_tables, self.fp_starts)
+        return self.ops.paged_decode_attention_packed(
+            q,
+            kv_layer[0],
+            kv_layer[1],
+            self.block_tables,
+            self.context_lens,
+            self.scale,
+            fp=fp,
+            window=window,
+            max_context_len=self.max_context_len,
         )
 
 
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, ops: Any, block_size: int, scale: float, device: torch.device):
+    def __init__(
+        self,
+        ops: Any,
+        block_size: int,
+        scale: float,
+        device: torch.device,
+        int8_prefill: Any = None,
+        fp_window: FpWindow | None = None,
+    ):
+        """``int8_prefill``: for an int8 cache, the torch backend its prefill goes through (the
+        Triton prefill kernel reads float caches); decode runs the packed-row kernel."""
         self.ops = ops
         self.block_size = block_size
         self.scale = scale
         self.device = device
+        self.int8_prefill = int8_prefill
+        self.fp_window = fp_window
+        if int8_prefill is not None:
+            self.name = "triton-int8"
 
     def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
         width = max(len(bt) for bt in block_tables)
         return block_table_tensor(block_tables, width, torch.int32, self.device)
 
     def decode_metadata(
-        self, slot_mapping: list[int], block_tables: list[list[int]], context_lens: list[int]
-    ) -> TritonDecodeMetadata:
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        fp: FpBatch | None = None,
+    ) -> TritonDecodeMetadata | TritonInt8DecodeMetadata:
+        if self.int8_prefill is not None:
+            return self._int8_decode(slot_mapping, block_tables, context_lens, fp)
         return TritonDecodeMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
             block_tables=self._tables(block_tables),
@@ -97,13 +179,46 @@ class TritonAttentionBackend:
             ops=self.ops,
         )
 
+    def _int8_decode(
+        self,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        fp: FpBatch | None,
+    ) -> TritonInt8DecodeMetadata:
+        from shared.runtime.attention_int8 import Store  # attention.py imports this module
+
+        dev = self.device
+        slots = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
+        fp_tables = fp_starts = None
+        if fp is not None:
+            width = max(1, max(len(t) for t in fp.tables))
+            fp_tables = block_table_tensor(fp.tables, width, torch.int32, dev)
+            fp_starts = torch.tensor(fp.starts, dtype=torch.int32, device=dev)
+        return TritonInt8DecodeMetadata(
+            Store(slots, self.int8_prefill.codec, fp, self.fp_window),
+            self._tables(block_tables),
+            torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            max(context_lens),
+            self.scale,
+            self.ops,
+            self.fp_window,
+            fp_tables,
+            fp_starts,
+        )
+
     def prefill_metadata(
         self,
         slot_mapping: list[int],
         block_tables: list[list[int]],
         query_lens: list[int],
         context_lens: list[int],
-    ) -> TritonPrefillMetadata:
+        fp: FpBatch | None = None,
+    ) -> Any:
+        if self.int8_prefill is not None:
+            return self.int8_prefill.prefill_metadata(
+                slot_mapping, block_tables, query_lens, context_lens, fp
+            )
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)

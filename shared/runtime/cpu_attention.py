@@ -39,17 +39,18 @@ class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
         self.path = path
         self._scores = lib.baton_paged_decode_scores_f32
-        self._scores.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
+        self._scores.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
         self._scores.restype = None
         self._values = lib.baton_paged_decode_values_f32
-        self._values.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P]
+        self._values.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P]
         self._values.restype = None
         self.max_threads = max(1, max_threads)
 
     def attend(
         self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelBatch, scale: float
     ) -> torch.Tensor:
-        """q ``[B, Hq, D]`` fp32 -> ``[B, Hq, D]``; ``kv_layer`` ``[2, blocks, bs, Hkv, D]``."""
+        """q ``[B, Hq, D]`` fp32 -> ``[B, Hq, D]``; ``kv_layer`` ``[2, blocks, bs, Hkv, D]``;
+        row b attends to positions ``rows.starts[b] .. rows.context_lens[b] - 1``."""
         batch, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, pool_dim = kv_layer.shape
         if q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
@@ -65,14 +66,15 @@ class DecodeKernel:
         scores = torch.empty(batch, num_heads, max_context_len)
         out = torch.empty_like(q)
         tables, lens = rows.block_tables.data_ptr(), rows.context_lens.data_ptr()
+        starts = None if rows.starts is None else rows.starts.data_ptr()
         width = rows.block_tables.shape[1]
         parts = self.parts(batch)
         dims = (num_heads, num_kv_heads, head_dim, block_size)
-        self._scores(q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens, batch, parts,
-                     *dims, scale, scores.data_ptr(), max_context_len)  # fmt: skip
+        self._scores(q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens, starts, batch,
+                     parts, *dims, scale, scores.data_ptr(), max_context_len)  # fmt: skip
         probs = scores.softmax(-1)
-        self._values(probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens, batch, parts,
-                     *dims, max_context_len, out.data_ptr())  # fmt: skip
+        self._values(probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens, starts,
+                     batch, parts, *dims, max_context_len, out.data_ptr())  # fmt: skip
         return out
 
     def parts(self, batch: int) -> int:
@@ -89,11 +91,13 @@ class KernelBatch:
 
     block_tables: torch.Tensor  # int64 [B, max_blocks], contiguous
     context_lens: torch.Tensor  # int64 [B], contiguous
-    max_context_len: int  # the scores' width: no context is longer
+    max_context_len: int  # the scores' width: no row attends to more positions
     block_size: int
+    # int64 [B], contiguous: each row's first visible position (a sliding window); None: 0.
+    starts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        tables, lens = self.block_tables, self.context_lens
+        tables, lens, starts = self.block_tables, self.context_lens, self.starts
         if tables.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("block tables and context lengths must be int64")
         if not (tables.is_contiguous() and lens.is_contiguous()):
@@ -101,8 +105,17 @@ class KernelBatch:
         if lens.dim() != 1 or tables.dim() != 2 or tables.shape[0] != lens.shape[0]:
             raise ValueError("one block table and one context length per query row")
         capacity = tables.shape[1] * self.block_size
-        if lens.numel() and int(lens.max()) > min(self.max_context_len, capacity):
-            raise ValueError("a context is longer than the scores width or its block table")
+        if lens.numel() and int(lens.max()) > capacity:
+            raise ValueError("a context is longer than its block table")
+        spans = lens
+        if starts is not None:
+            if starts.dtype != torch.int64 or not starts.is_contiguous():
+                raise ValueError("window starts must be contiguous int64")
+            if starts.shape != lens.shape or bool(((starts < 0) | (starts > lens)).any()):
+                raise ValueError("a window start outside 0..its context length")
+            spans = lens - starts
+        if spans.numel() and int(spans.max()) > self.max_context_len:
+            raise ValueError("a context (from its window start) is longer than the scores width")
 
 
 def load_kernel(

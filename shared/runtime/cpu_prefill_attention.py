@@ -53,7 +53,7 @@ class PrefillKernel:
     def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
         self.path = path
         self._attend = lib.baton_prefill_attention_f32
-        self._attend.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I]
+        self._attend.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I]
         self._attend.restype = ctypes.c_int
         self.max_threads = max(1, max_threads)
 
@@ -63,12 +63,12 @@ class PrefillKernel:
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompts: FreshPrompts,
-        scale: float, out: torch.Tensor,
+        scale: float, out: torch.Tensor, window: int | None = None,
     ) -> None:  # fmt: skip
         """Causal attention of each of ``prompts``' row ranges into those rows of ``out``: q and
         out ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, fp32 CPU, heads contiguous within a row
         (rows may be strided, as in views of a fused projection). Other rows of ``out`` are left
-        as they are."""
+        as they are. ``window``: a sliding window (row i sees rows i - window + 1 .. i)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         for name, t, heads in (("q", q, num_heads), ("k", k, num_kv_heads), ("v", v, num_kv_heads),
@@ -79,6 +79,8 @@ class PrefillKernel:
                 raise ValueError(f"{name} {tuple(t.shape)} strides {t.stride()}: rows of heads")
         if not self.supports(head_dim) or num_heads % num_kv_heads:
             raise ValueError(f"unsupported heads: {num_heads} x {num_kv_heads} of {head_dim}")
+        if window is not None and window < 1:
+            raise ValueError(f"window {window}: at least one key")
         if prompts.num_rows != num_tokens:
             raise ValueError(f"the prompts cover {prompts.num_rows} rows, q has {num_tokens}")
         num_seqs = prompts.bounds.shape[0]
@@ -87,7 +89,7 @@ class PrefillKernel:
         failed = self._attend(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             prompts.bounds.data_ptr(), num_seqs, prompts.max_len, num_heads, num_kv_heads,
-            head_dim, scale, out.data_ptr(), out.stride(0), self.parts(num_seqs),
+            head_dim, window or 0, scale, out.data_ptr(), out.stride(0), self.parts(num_seqs),
         )  # fmt: skip
         if failed:
             raise MemoryError("prefill attention could not allocate its scratch tiles")

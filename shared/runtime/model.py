@@ -86,8 +86,9 @@ class Attention(nn.Module):
     # RoPE in place through C (cpu_rope.py, bit-identical to apply_rope); set by the runner on CPU.
     rope_kernel: RopeKernel | None = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # this layer's sliding window (ModelConfig.layer_windows)
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -120,7 +121,8 @@ class Attention(nn.Module):
         if self.rope_kernel is None or not self.rope_kernel.rotate(qk, cos, sin):
             qk = apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = attention(q, k, v, kv_layer, meta, self.window)
         return self.o_proj.project(out.reshape(num_tokens, self.q_size))
 
 
@@ -136,10 +138,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -165,7 +167,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        windows = cfg.layer_windows or (None,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

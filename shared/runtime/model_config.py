@@ -44,10 +44,10 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
-    # Keys a query attends to at most (Mistral, Qwen2 with use_sliding_window); None = all.
-    # The engine runs full attention, exact only while max_model_len <= sliding_window: the
-    # ModelRunner refuses a longer max_model_len instead of silently attending too far.
-    sliding_window: int | None = None
+    # Per layer, the keys a query attends to at most (Mistral: every layer; Qwen2 with
+    # use_sliding_window: the layers from max_window_layers on); None = all (full attention).
+    # A query at position p sees keys p - window + 1 .. p (transformers' sliding mask).
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -97,8 +97,23 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             eos_token_ids=tuple(eos),
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=_sliding_window(raw),
+            layer_windows=_layer_windows(raw),
         )
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window if any layer uses one (the largest)."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return max(windows) if windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """Keys the next query of a sequence may still need: the positions before
+        ``p - kv_window + 1`` (p: the next position computed) are outside every layer's window,
+        so their blocks may be freed. None while any layer attends to everything."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies, computed exactly as transformers does (fp32)."""
@@ -126,19 +141,21 @@ def _arch(raw: dict[str, Any]) -> str:
     )
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    """The attention window if any layer uses one, as transformers decides it."""
+def _layer_windows(raw: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's attention window, as transformers decides it."""
+    num_layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if not window:
-        return None
+    if not window or raw.get("use_sliding_window") is False:  # qwen2 drops the window then
+        return (None,) * num_layers
     layer_types = raw.get("layer_types")
     if isinstance(layer_types, list):  # transformers >= 4.54 spells it out per layer
-        return int(window) if "sliding_attention" in layer_types else None
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types names {len(layer_types)} of {num_layers} layers")
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
     if "use_sliding_window" in raw:  # qwen2/qwen3: only layers from max_window_layers on
-        num_layers = int(raw["num_hidden_layers"])
         first = int(raw.get("max_window_layers", num_layers))
-        return int(window) if raw["use_sliding_window"] and first < num_layers else None
-    return int(window)  # mistral: every layer
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    return (int(window),) * num_layers  # mistral: every layer
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, str, tuple[tuple[str, float], ...]]:

@@ -23,6 +23,7 @@ from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
 from shared.runtime.cpu_argmax import load_argmax
 from shared.runtime.cpu_rope import load_rope
+from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
 from shared.runtime.linear_layout import prepare_projections
@@ -55,6 +56,18 @@ class ModelRunner:
         # Everything that can refuse this model is checked before its weights are read.
         cfg = ModelConfig.from_dir(model_dir)
         self.kv_codec = make_kv_codec(config.kv_cache_dtype)
+        # int8's full-precision window (fp_window.py): slots of the pool the block manager hands
+        # out with the window's blocks.
+        self.fp_window = (
+            FpWindow.plan(config.kv_fp_window, self.block_size, cfg.head_dim, self.dtype)
+            if self.kv_codec.quantized
+            else None
+        )
+        if self.fp_window is not None and kv_host_cache_bytes:
+            raise ValueError(
+                "BATON_KV_HOST_CACHE_MB stages block tables, not an int8 cache's full-precision "
+                "window: set BATON_KV_FP_WINDOW=0 to use a host tier with int8"
+            )
         kv_dtype = self.kv_codec.cache_dtype(self.dtype)
         row_width = self.kv_codec.row_width(cfg.head_dim)
         self.block_bytes = (
@@ -87,7 +100,6 @@ class ModelRunner:
                 max_model_len=model_len,
                 max_seq_tokens=self.max_seq_tokens,
             )
-        check_sliding_window(cfg, self.limits.max_model_len)
         self.model_config: ModelConfig
         self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
         kv_shape = (
@@ -127,6 +139,7 @@ class ModelRunner:
             self.dtype,
             config.cpu_attention,
             cfg.head_dim,
+            self.fp_window,
         )
         # Greedy rows through the C argmax (the same indices as torch's).
         self.sampler = Sampler(load_argmax() if c_kernels else None)
@@ -142,17 +155,29 @@ class ModelRunner:
             mkl_kernels="by features" if mkl_dispatch.preloaded() else "stock",
         )
 
+    def fp_slots_config(self) -> dict[str, int]:
+        """The block manager's full-precision window settings (BlockManager's keywords)."""
+        w = self.fp_window
+        return {"fp_window": w.tokens, "fp_slots_per_block": w.slots_per_block} if w else {}
+
     @property
     def max_seq_tokens(self) -> int:
         """The longest sequence the cache holds (with a host tier: what the staging area holds)."""
         return self.tiers.max_seq_blocks * self.block_size
 
     # --- forward passes -----------------------------------------------------------------------
-    def prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+    def prefill(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> list[int | None]:
         """Compute tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence.
 
         Returns a sampled token for each sequence whose chunk reaches its ``num_tokens`` (the
         prompt is complete), ``None`` for one that stopped mid-prompt (chunked prefill).
+        ``on_layer(n)``: called once the first ``n`` layers' KV is in the cache (a layer-wise
+        handoff publishes it; kv_transfer/layerwise.py).
         """
         if len(seqs) != len(num_new_tokens) or not seqs:
             raise ValueError("prefill needs one positive token count per sequence")
@@ -164,7 +189,7 @@ class ModelRunner:
             seqs,
             spans,
             lambda rows, tables: self._prefill(
-                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables
+                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables, on_layer
             ),
         )
 
@@ -205,7 +230,11 @@ class ModelRunner:
         return out
 
     def _prefill(
-        self, seqs: list[Sequence], num_new_tokens: list[int], tables: list[list[int]]
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        tables: list[list[int]],
+        on_layer: Callable[[int], None] | None = None,
     ) -> list[int | None]:
         bs = self.block_size
         input_ids: list[int] = []
@@ -227,9 +256,13 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_rows.append(i)
-        meta = self.attn_backend.prefill_metadata(
-            slot_mapping, tables, num_new_tokens, context_lens
+        spans = [(e - n, e) for n, e in zip(num_new_tokens, context_lens, strict=True)]
+        fp = self._fp_batch(seqs, spans)
+        meta: AttentionMetadata = self.attn_backend.prefill_metadata(
+            slot_mapping, tables, num_new_tokens, context_lens, fp
         )
+        if on_layer is not None:
+            meta = LayerProgress(meta, on_layer)
         sampled = self._run(
             input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
         )
@@ -243,9 +276,17 @@ class ModelRunner:
         positions = [seq.num_tokens - 1 for seq in seqs]
         slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         context_lens = [p + 1 for p in positions]
-        meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens)
+        fp = self._fp_batch(seqs, [(p, p + 1) for p in positions])
+        meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens, fp)
         input_ids = [seq.token_ids[-1] for seq in seqs]
         return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs)
+
+    def _fp_batch(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> FpBatch | None:
+        """The forward's full-precision windows (int8 with BATON_KV_FP_WINDOW), or None."""
+        if self.fp_window is None:
+            return None
+        firsts = [s.fp_first_block for s in seqs]
+        return fp_batch(self.fp_window, spans, firsts, [s.fp_blocks for s in seqs], self.device)
 
     @torch.inference_mode()
     def _run(
@@ -273,22 +314,29 @@ class ModelRunner:
         )
 
 
-def check_sliding_window(cfg: ModelConfig, max_model_len: int) -> None:
-    """Refuse a sliding-window model whose sequences could outgrow the window.
+class LayerProgress:
+    """Attention metadata that reports each layer once its KV is stored: layers call their
+    attention in order, once per forward, so the n-th call has stored the first n layers."""
 
-    The engine computes full attention; that equals sliding-window attention exactly while every
-    key a query sees lies inside its window, which holds for every sequence when
-    ``max_model_len <= sliding_window`` (max_model_len as the engines apply it: ``Limits``).
-    """
-    window = cfg.sliding_window
-    if window is None:
-        return
-    if max_model_len > window:
-        raise ValueError(
-            f"the model uses sliding-window attention (sliding_window={window}) and Baton "
-            f"computes full attention, which is exact only for sequences up to the window; "
-            f"max_model_len here is {max_model_len}: set BATON_MAX_MODEL_LEN<={window}"
-        )
+    def __init__(self, meta: AttentionMetadata, on_layer: Callable[[int], None]) -> None:
+        self.meta, self.on_layer, self.layers = meta, on_layer, 0
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.meta.slot_mapping
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        out = self.meta.forward(q, k, v, kv_layer, window)
+        self.layers += 1
+        self.on_layer(self.layers)
+        return out
 
 
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -53,6 +53,10 @@ class Sequence:
         # Chained content hashes of the leading full blocks, extended lazily by the BlockManager.
         # They depend only on token ids, so they stay valid across preemption and engines.
         self.block_hashes: list[bytes] = []
+        # int8 KV with a full-precision window (fp_window.py): the slots holding the model-dtype
+        # copy of blocks fp_first_block.. (``slots_per_block`` each, in order).
+        self.fp_first_block = 0
+        self.fp_blocks: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -67,6 +67,9 @@ class DecodeScheduler(SchedulerBase):
         self.swap_out = swap_out
         self.num_preemptions = 0  # by recompute
         self.num_swaps = 0  # preemptions by swap
+        # Running sequences whose KV a transport is still writing (a layer-wise handoff): not
+        # scheduled, never preempted, until the engine takes them out.
+        self.loading: set[str] = set()
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (the engine checked that it fits the cache: ``Limits``)."""
@@ -118,10 +121,9 @@ class DecodeScheduler(SchedulerBase):
         out = []
         for started, s in enumerate(self.running.values()):
             r = rank(s)
-            if below is None or r < below:
+            if s.request_id not in self.loading and (below is None or r < below):
                 # Blocks only the victim references come back; shared ones may not.
-                freeable = sum(1 for b in s.block_table if bm.ref_count(b) == 1)
-                out.append(Candidate(s.request_id, r, started, freeable))
+                out.append(Candidate(s.request_id, r, started, bm.num_freeable_blocks(s)))
         return out
 
     # --- one step -------------------------------------------------------------------------------
@@ -129,8 +131,8 @@ class DecodeScheduler(SchedulerBase):
         step = DecodeStep()
         budget = self.max_num_batched_tokens
         for seq in list(self.running.values()):
-            if seq.request_id not in self.running:
-                continue  # preempted by an earlier iteration of this loop
+            if seq.request_id not in self.running or seq.request_id in self.loading:
+                continue  # preempted by an earlier iteration of this loop, or still loading
             pending = seq.num_tokens - 1 - seq.num_computed_tokens
             if pending > 0:
                 if budget > 0:

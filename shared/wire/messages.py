@@ -57,7 +57,9 @@ __all__ = [
 
 # 2: KVDescriptor became an opaque, versioned per-transport payload.
 # 3: StartInfo.batch_replies (the client's reply queue takes batches, see replies.py).
-# 4: DetokMsg.marks (the detokenizer's stream high-water marks), StartInfo.owner and .priority.
+# 4: DetokMsg.marks (the detokenizer's stream high-water marks), StartInfo.owner and .priority;
+#    KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
+#    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
 SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
 
@@ -174,14 +176,21 @@ class KVDescriptor:
 
     ``payload`` belongs to the transport named by ``transport`` and is read by nothing else;
     ``version`` is that transport's payload version, so a receiver refuses a layout it does not
-    know instead of reading wrong KV. ``num_tokens`` is how many leading positions it holds.
+    know instead of reading wrong KV. ``num_tokens`` is how many leading positions it covers;
+    ``first_block``: the index (in the request's block table) of the first block it holds —
+    the blocks before lie outside every layer's sliding window and were never sent. An int8
+    cache's full-precision window travels after the blocks: ``fp_slots`` more block ids, the
+    model-dtype copies of blocks ``fp_first_block ..`` (shared/runtime/fp_window.py).
     """
 
-    transport: str  # "shm" | "pool" | "cuda-ipc"
+    transport: str  # "shm" | "pool" | "cuda-ipc" | "mooncake"
     version: int
     num_tokens: int
     nbytes: int
     payload: dict[str, Any]
+    first_block: int = 0
+    fp_first_block: int = 0
+    fp_slots: int = 0
 
     @classmethod
     def from_map(cls, d: dict[str, Any]) -> KVDescriptor:

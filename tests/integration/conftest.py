@@ -4,6 +4,7 @@ shared-memory KV pool). Each system is started once per session and stopped befo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,14 +19,17 @@ pytestmark = pytest.mark.integration
 KV_TRANSPORTS = ("shm", "pool")
 
 
-@pytest_asyncio.fixture(scope="session", params=KV_TRANSPORTS)
-async def system(request: pytest.FixtureRequest) -> AsyncIterator[LocalSystem]:
-    transport = str(request.param)
-    with fresh_vhost(prefix=f"baton-test-{transport}") as url:
+@contextlib.asynccontextmanager
+async def running_system(
+    transport: str, env: dict[str, str] | None = None, tag: str = ""
+) -> AsyncIterator[LocalSystem]:
+    """``python -m services up`` in a fresh vhost on ``transport``, ready; stopped after."""
+    with fresh_vhost(prefix=f"baton-test{tag}-{transport}") as url:
         env = {
             "BATON_KV_CACHE_MB": "64",
             "BATON_METRICS_PORT": str(free_port_block(len(METRICS_ENDPOINTS))),
             "BATON_KV_TRANSPORT": transport,
+            **(env or {}),
         }
         sys_ = LocalSystem(url, env=env)
         sys_.start()
@@ -34,7 +38,13 @@ async def system(request: pytest.FixtureRequest) -> AsyncIterator[LocalSystem]:
             yield sys_
         finally:
             code = sys_.stop()
-            print(f"baton ({transport}) exited with {code}; log at {sys_.log_path}")
+            print(f"baton ({transport}{tag}) exited with {code}; log at {sys_.log_path}")
+
+
+@pytest_asyncio.fixture(scope="session", params=KV_TRANSPORTS)
+async def system(request: pytest.FixtureRequest) -> AsyncIterator[LocalSystem]:
+    async with running_system(str(request.param)) as sys_:
+        yield sys_
 
 
 @pytest.fixture

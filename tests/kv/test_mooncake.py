@@ -71,7 +71,7 @@ def test_pull_copies_exact_bytes_and_frees_once_on_release(
 ) -> None:
     tx, rx = sender(made, tmp_path, dtype), receiver(made, tmp_path, dtype)
     values = fill(tx, [5, 2, 3, 7], seed=1)
-    desc = tx.send("r1", [5, 2, 3, 7, 0], num_tokens=14)  # 14 tokens: 4 blocks of 4
+    desc = tx.send("r1", [5, 2, 3, 7], num_tokens=14)  # 14 tokens: 4 blocks of 4
     assert desc is not None and desc.transport == "mooncake"
     assert desc.payload["segment"] == tx.segment and tx.segment.startswith("127.0.0.1:")
     assert tx.num_pinned_blocks == 4 and tx.pop_freeable(time.time()) == []

@@ -27,7 +27,7 @@ def root(tmp_path: Path) -> Path:
 def test_handoff_copies_exact_bytes_and_frees_once_on_release(root: Path) -> None:
     tx, rx = sender(root), receiver(root)
     values = fill(tx, [5, 2, 7], seed=1)
-    desc = tx.send("r1", [5, 2, 7, 0], num_tokens=10)  # 10 tokens: 3 blocks of 4
+    desc = tx.send("r1", [5, 2, 7], num_tokens=10)  # 10 tokens: 3 blocks of 4
     assert desc is not None and desc.transport == "pool" and desc.nbytes == 3 * BLOCK_BYTES
     assert tx.num_pinned_blocks == 3 and tx.pop_freeable(time.time()) == []
     res = rx.load(wire(desc), [0, 1, 3], first_block=0)

@@ -26,7 +26,7 @@ from shared.engine.outputs import (
     StepOutput,
 )
 from shared.engine.prefill import PrefillEngine
-from shared.models.tiny.builder import ensure_tiny_model
+from shared.models.tiny.builder import ensure_tiny_model, model_dir_name
 from shared.runtime import ModelRunner, SamplingParams, Sequence
 
 MODELS_DIR = REPO_ROOT / "models"
@@ -43,11 +43,11 @@ def built_or_skip(kernel: K | None, fallback: str) -> K:
     return kernel
 
 
-def tiny_model_dir(arch: str, preset: str = "tiny") -> Path:
-    """The built-in model for (preset, arch), built once into the git-ignored models/ folder
-    (tiny llama is the default model dir itself)."""
-    name = "tiny" if (preset, arch) == ("tiny", "llama") else f"{preset}-{arch}"
-    return ensure_tiny_model(MODELS_DIR / name, preset=preset, arch=arch)
+def tiny_model_dir(arch: str, preset: str = "tiny", window: int | None = None) -> Path:
+    """The built-in model for (preset, arch[, sliding window]), built once into the git-ignored
+    models/ folder (tiny llama is the default model dir itself)."""
+    name = model_dir_name(preset, arch, window)
+    return ensure_tiny_model(MODELS_DIR / name, preset=preset, arch=arch, window=window)
 
 
 def make_runner(model_dir: Path, num_kv_blocks: int = 256, **overrides: object) -> ModelRunner:
@@ -76,14 +76,18 @@ class ForwardLog:
         self.decodes: list[list[str]] = []  # per decode call: the request ids
         prefill, decode = runner.prefill, runner.decode
 
-        def spy_prefill(seqs: list[Sequence], num_new_tokens: list[int]) -> list[int | None]:
+        def spy_prefill(
+            seqs: list[Sequence],
+            num_new_tokens: list[int],
+            on_layer: Callable[[int], None] | None = None,
+        ) -> list[int | None]:
             self.prefills.append(
                 [
                     (s.request_id, s.num_computed_tokens, n, s.num_cached_tokens)
                     for s, n in zip(seqs, num_new_tokens, strict=True)
                 ]
             )
-            return prefill(seqs, num_new_tokens)
+            return prefill(seqs, num_new_tokens, on_layer)
 
         def spy_decode(seqs: list[Sequence]) -> list[int]:
             self.decodes.append([s.request_id for s in seqs])
@@ -201,7 +205,7 @@ class EnginePair:
         p_out = d_out = None
         if self.prefill.has_work():
             p_out = self.prefill.step(now)
-            self.collect(p_out)
+            self.collect(p_out, prefill=True)
             for h in p_out.handoffs:
                 self.handoffs[h.request_id] = h
                 req = dataclasses.replace(
@@ -259,7 +263,7 @@ class EnginePair:
         in_decode = self.decode.abort(request_id)
         return in_prefill or in_decode
 
-    def collect(self, out: StepOutput) -> None:
+    def collect(self, out: StepOutput, prefill: bool = False) -> None:
         """Gather a step's tokens and errors (tests that step one engine themselves call it)."""
         for t in out.tokens:
             assert t.request_id not in self.finish, f"{t.request_id} got tokens after finishing"
@@ -273,6 +277,8 @@ class EnginePair:
             assert e.request_id not in self.errors and e.request_id not in self.finish
             self.errors[e.request_id] = e
         handed_off = {h.request_id for h in out.handoffs}
+        if prefill:  # a layer-wise handoff leaves a step before its request retires there
+            handed_off |= self.handoffs.keys()
         for rid in out.retired:
             if rid not in self.finish and rid not in self.errors and rid not in handed_off:
                 self.expired.add(rid)

@@ -163,12 +163,13 @@ def test_without_a_compiler_the_torch_path_serves(
 
 
 def test_backend_choice() -> None:
-    """fp32 float cache on CPU: the kernel; "torch", another dtype, an int8 cache: torch."""
+    """fp32 on CPU: the kernel (an int8 cache: its own); "torch" or another dtype: torch."""
     from shared.runtime.kv_codec import make_kv_codec
 
     assert select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="torch").name == "torch"
     assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16).name == "torch"
     int8 = make_kv_codec("int8")
-    assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8).name == "torch"
+    assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8).name == "torch+c-int8"
+    assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8, cpu_attention="torch").name == "torch"
     with pytest.raises(ValueError, match="BATON_CPU_ATTENTION"):
         select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="fast")

@@ -1,9 +1,8 @@
 """ModelRunner: KV sizing, chunked prefill contract, seeded sampling and bf16 through the
-engines, the sliding-window refusal."""
+engines (sliding windows: tests/runtime/test_sliding_window.py)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,34 +93,3 @@ def test_bfloat16_through_both_engines(tmp_path: Path) -> None:
     assert not pair.decode_log.prefills  # loaded, not recomputed
     assert len(out) == 5 and all(0 <= t < 512 for t in out)
     pair.assert_clean()
-
-
-def _with_window(tmp_path: Path, window: int) -> Path:
-    """The tiny mistral with another ``sliding_window`` (weights linked, not copied)."""
-    src = tiny_model_dir("mistral")
-    dst = tmp_path / f"mistral-w{window}"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    (dst / "config.json").unlink()
-    config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
-    return dst
-
-
-def test_sliding_window_smaller_than_max_model_len_is_refused(tmp_path: Path) -> None:
-    """Full attention equals a sliding window only while no sequence outgrows the window: a
-    model whose window is below max_model_len refuses to start rather than attend too far."""
-    model = _with_window(tmp_path, 256)
-    with pytest.raises(ValueError) as err:
-        make_runner(model, num_kv_blocks=64)  # max_model_len min(2048, 4096, 64 x 16) = 1024
-    message = str(err.value)
-    assert "sliding_window=256" in message and "max_model_len here is 1024" in message
-    assert "BATON_MAX_MODEL_LEN<=256" in message
-    # Within the window, by configuration or by the cache's capacity, it serves.
-    assert (
-        make_runner(model, num_kv_blocks=64, max_model_len=256).model_config.sliding_window == 256
-    )
-    assert make_runner(model, num_kv_blocks=16).num_kv_blocks == 16  # 256 cached tokens at most
-    with pytest.raises(ValueError, match="sliding_window=256"):
-        make_runner(model, num_kv_blocks=17)

@@ -111,3 +111,34 @@ def test_engines_on_triton_backend_match_torch_backend(tmp_path: Path) -> None:
         assert pair.prefill_log.chunks("a") == [19, 21]
         pair.assert_clean()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(("arch", "window"), [("llama", None), ("mistral", 24)])
+def test_int8_with_a_full_precision_window_on_triton_matches_torch(
+    tmp_path: Path, arch: str, window: int | None
+) -> None:
+    """An int8 cache with a 16-token full-precision window (and a sliding window): decode on the
+    packed-row Triton kernel (int8 rows and the window's slots in one pass), prefill on torch's,
+    the same tokens as the torch backend."""
+    path = tiny_model_dir(arch, window=window)
+    kw = {"device": str(DEVICE), "kv_cache_dtype": "int8", "kv_fp_window": 16}
+    outputs = []
+    for use_triton in (False, True):
+        pair = EnginePair.build(
+            path,
+            tmp_path / f"spill-{use_triton}",
+            prefill=kw,
+            decode={**kw, "cpu_attention": "torch"},
+        )
+        if use_triton:
+            for runner in (pair.prefill.runner, pair.decode.runner):
+                torch_be = runner.attn_backend
+                assert isinstance(torch_be, TorchAttentionBackend)
+                runner.attn_backend = TritonAttentionBackend(
+                    kernels, BS, torch_be.scale, DEVICE, torch_be, runner.fp_window
+                )
+        pair.add("a", list(range(3, 43)), SamplingParams(max_tokens=30, ignore_eos=True))
+        pair.add("b", list(range(50, 55)), SamplingParams(max_tokens=30, ignore_eos=True))
+        outputs.append(pair.run())
+        pair.assert_clean()
+    assert outputs[0] == outputs[1]

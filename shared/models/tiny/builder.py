@@ -51,6 +51,7 @@ MARKER_FILE = "baton_tiny.json"
 DEFAULT_SEED = 0
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+WINDOWED_ARCHS = ("mistral", "qwen2")  # the archs built with a shorter sliding window on request
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ PRESETS: dict[str, Preset] = {
     # Benchmarks: 3.6M matmul params, so 64 requests x (128 + 64) tokens is ~88 GFLOP plus
     # attention. intermediate 576 = 9 x 64 keeps every matmul dim a multiple of 64.
     "bench": Preset(256, 4, 8, 4, 32, 576, 4096),
+    # The bench shape with room for long prompts (loadtest/longctx.py: 8k-token prompts).
+    "bench-long": Preset(256, 4, 8, 4, 32, 576, 4096, max_position_embeddings=16384),
 }
 
 # Init scales (std = gain / sqrt(fan_in) for projections), tuned by measuring greedy output.
@@ -95,7 +98,13 @@ LOGIT_SCALE = 8.0
 BYTE_ROW_SCALE = 0.6
 
 
-def _make_config(p: Preset, arch: str, eos_token_id: int, pad_token_id: int) -> PretrainedConfig:
+def _make_config(
+    p: Preset, arch: str, eos_token_id: int, pad_token_id: int, window: int | None = None
+) -> PretrainedConfig:
+    """``window``: a sliding window shorter than the positions (mistral: every layer; qwen2:
+    the upper half of the layers, ``max_window_layers``); None: the arch's default."""
+    if window is not None and arch not in WINDOWED_ARCHS:
+        raise ValueError(f"a sliding window needs one of {WINDOWED_ARCHS}, not {arch!r}")
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
@@ -117,16 +126,26 @@ def _make_config(p: Preset, arch: str, eos_token_id: int, pad_token_id: int) -> 
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False, attention_bias=False)
     if arch == "qwen2":  # q/k/v projections carry biases; no flag needed
+        if window is not None:  # hybrid: the lower layers attend to everything
+            return Qwen2Config(
+                **common,
+                tie_word_embeddings=False,
+                use_sliding_window=True,
+                sliding_window=window,
+                max_window_layers=p.num_hidden_layers // 2,
+            )
         return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
     if arch == "qwen3":  # per-head q/k RMSNorm, tied head
         return Qwen3Config(
             **common, tie_word_embeddings=True, attention_bias=False, use_sliding_window=False
         )
     if arch == "mistral":
-        # Llama's layers plus an attention window: set, so the engine's sliding-window rule is
-        # exercised, and as long as the positions, so full attention is exact at any length.
+        # Llama's layers plus an attention window: by default as long as the positions (the
+        # window rule runs, and equals full attention at any length); ``window`` shortens it.
         return MistralConfig(
-            **common, tie_word_embeddings=False, sliding_window=p.max_position_embeddings
+            **common,
+            tie_word_embeddings=False,
+            sliding_window=p.max_position_embeddings if window is None else window,
         )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
@@ -195,9 +214,14 @@ def count_params(p: Preset, arch: str) -> dict[str, int]:
 # transformers is imported inside the builders: it takes seconds, and ensure_tiny_model's fast
 # path (the model is already there) should not pay for it.
 def build_tiny_model(
-    out_dir: Path, preset: str = "tiny", arch: str = "llama", seed: int = DEFAULT_SEED
+    out_dir: Path,
+    preset: str = "tiny",
+    arch: str = "llama",
+    seed: int = DEFAULT_SEED,
+    window: int | None = None,
 ) -> Path:
-    """Build the model into ``out_dir`` (created; a previous build there is overwritten)."""
+    """Build the model into ``out_dir`` (created; a previous build there is overwritten).
+    ``window``: a sliding window (see ``_make_config``); the weights do not depend on it."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     p = PRESETS[preset]
@@ -207,7 +231,7 @@ def build_tiny_model(
 
     tokenizer = train_tokenizer(p.vocab_size)
     eos_id, pad_id = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
-    config = _make_config(p, arch, eos_token_id=eos_id, pad_token_id=pad_id)
+    config = _make_config(p, arch, eos_token_id=eos_id, pad_token_id=pad_id, window=window)
     # HF's own init draws from the global RNG; fork it so the caller's stream is untouched.
     with torch.random.fork_rng(devices=[]):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -228,6 +252,7 @@ def build_tiny_model(
         "preset": preset,
         "arch": arch,
         "seed": seed,
+        "window": window,
         "num_params": num_params,
         "preset_config": asdict(p),
     }
@@ -266,14 +291,16 @@ def _read_marker(model_dir: Path) -> dict | None:
         return None
 
 
-def _is_current(model_dir: Path, preset: str, arch: str) -> bool:
+def _is_current(model_dir: Path, preset: str, arch: str, window: int | None = None) -> bool:
     marker = _read_marker(model_dir) or {}
-    expected = {"format_version": FORMAT_VERSION, "preset": preset, "arch": arch}
+    expected = {"format_version": FORMAT_VERSION, "preset": preset, "arch": arch, "window": window}
     return all(marker.get(k) == v for k, v in expected.items()) and "seed" in marker
 
 
-def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") -> Path:
-    """Return ``out_dir`` holding the (preset, arch) model, building it once if needed.
+def ensure_tiny_model(
+    out_dir: Path, preset: str = "tiny", arch: str = "llama", window: int | None = None
+) -> Path:
+    """Return ``out_dir`` holding the (preset, arch, window) model, building it once if needed.
 
     Built into a temp dir beside ``out_dir`` and renamed into place, so readers never see a
     half-written model. Racing builders are safe: the rename fails for all but one and the
@@ -281,16 +308,16 @@ def ensure_tiny_model(out_dir: Path, preset: str = "tiny", arch: str = "llama") 
     without our marker is someone else's model and is never touched.
     """
     out_dir = Path(out_dir)
-    if _is_current(out_dir, preset, arch):
+    if _is_current(out_dir, preset, arch, window):
         return out_dir
     _refuse_foreign(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
     try:
-        build_tiny_model(tmp, preset=preset, arch=arch, seed=DEFAULT_SEED)
+        build_tiny_model(tmp, preset=preset, arch=arch, seed=DEFAULT_SEED, window=window)
         _make_readable(tmp)  # mkdtemp is 0700; services may run as other users
         for _ in range(3):
-            if _is_current(out_dir, preset, arch):
+            if _is_current(out_dir, preset, arch, window):
                 return out_dir  # another process won the race
             _move_aside(out_dir)
             try:
@@ -330,12 +357,16 @@ def _move_aside(model_dir: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _default_out(preset: str, arch: str) -> Path:
-    # tiny + llama is the built-in model BatonConfig points at by default.
+def model_dir_name(preset: str, arch: str, window: int | None = None) -> str:
+    """models/<name>: tiny + llama is the built-in model BatonConfig points at by default."""
+    name = preset if arch == "llama" else f"{preset}-{arch}"
+    return name if window is None else f"{name}-w{window}"
+
+
+def _default_out(preset: str, arch: str, window: int | None = None) -> Path:
     from shared.config import DEFAULT_MODEL_DIR
 
-    name = preset if arch == "llama" else f"{preset}-{arch}"
-    return DEFAULT_MODEL_DIR.parent / name
+    return DEFAULT_MODEL_DIR.parent / model_dir_name(preset, arch, window)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -344,11 +375,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument(
-        "--out", type=Path, default=None, help="default: models/tiny, models/<preset>[-<arch>]"
+        "--window", type=int, default=None, help=f"a sliding window ({', '.join(WINDOWED_ARCHS)})"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: models/tiny, models/<preset>[-<arch>][-w<window>]",
     )
     args = parser.parse_args(argv)
-    out = args.out or _default_out(args.preset, args.arch)
-    build_tiny_model(out, preset=args.preset, arch=args.arch, seed=args.seed)
+    out = args.out or _default_out(args.preset, args.arch, args.window)
+    build_tiny_model(out, preset=args.preset, arch=args.arch, seed=args.seed, window=args.window)
     p = PRESETS[args.preset]
     counts = count_params(p, args.arch)
     gflop = 2 * counts["matmul"] * 64 * (128 + 64) / 1e9

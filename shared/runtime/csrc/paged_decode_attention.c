@@ -7,10 +7,13 @@
  * in place, a whole slot row (every KV head) at a time: K and V are each read once, contiguously
  * within a block, and nothing is copied.
  *
- *   scores: scores[b, hq, t] = scale * q[b, hq] . K[slot(b, t), hq / group]   for t < len[b],
- *           -inf for len[b] <= t < stride          (the softmax between the passes is torch's)
- *   values: out[b, hq] = sum over t < len[b] of probs[b, hq, t] * V[slot(b, t), hq / group]
+ *   scores: scores[b, hq, t - s] = scale * q[b, hq] . K[slot(b, t), hq / group]
+ *           for s = start[b] <= t < len[b]; -inf for len[b] - s <= t - s < stride
+ *           (the softmax between the passes is torch's)
+ *   values: out[b, hq] = sum over start[b] <= t < len[b] of probs[b, hq, t - s] * V[slot(b, t), ..]
  *
+ * start[b] is where a sliding window begins (NULL starts: 0 for every row); block table entries
+ * below it are never read (their blocks may have been freed). 
  * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both split the batch
  * into up to `parts` row ranges on threads of their own (disjoint writes). Common head sizes are
  * specialised so the inner loops unroll into registers; any other size takes the generic loop. */
@@ -32,14 +35,16 @@ static inline void prefetch_rows(const float *start, int64_t num_floats)
 }
 
 static inline void scores_one(const float *restrict q, const float *restrict k_pool,
-                              const int64_t *restrict table, int64_t len, int64_t num_heads,
-                              int64_t group, int64_t head_dim, int64_t block_size, float scale,
-                              float *restrict scores, int64_t stride)
+                              const int64_t *restrict table, int64_t start, int64_t len,
+                              int64_t num_heads, int64_t group, int64_t head_dim,
+                              int64_t block_size, float scale, float *restrict scores,
+                              int64_t stride)
 {
     const int64_t row = num_heads / group * head_dim;
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        const float *kb = k_pool + table[t0 / block_size] * block_size * row;
+    for (int64_t t0 = start; t0 < len;) { /* the part of one block within [start, len) */
+        const int64_t off = t0 % block_size;
+        const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+        const float *kb = k_pool + (table[t0 / block_size] * block_size + off) * row;
         for (int64_t i = 0; i < n; i++) {
             const float *krow = kb + i * row;
             for (int64_t hq = 0; hq < num_heads; hq++) {
@@ -47,9 +52,10 @@ static inline void scores_one(const float *restrict q, const float *restrict k_p
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
                 for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * k[d];
-                scores[hq * stride + t0 + i] = acc * scale;
+                scores[hq * stride + t0 - start + i] = acc * scale;
             }
         }
+        t0 += n;
     }
 }
 
@@ -92,23 +98,25 @@ static inline v16 sum16(v16 a[16])
 }
 
 static inline void scores_one_vec(const float *restrict q, const float *restrict k_pool,
-                                  const int64_t *restrict table, int64_t len, int64_t num_heads,
-                                  int64_t group, int64_t head_dim, int64_t block_size,
-                                  float scale, float *restrict scores, int64_t stride)
+                                  const int64_t *restrict table, int64_t start, int64_t len,
+                                  int64_t num_heads, int64_t group, int64_t head_dim,
+                                  int64_t block_size, float scale, float *restrict scores,
+                                  int64_t stride)
 {
     const int64_t row = num_heads / group * head_dim;
     const float *krows[16];
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         for (int64_t j = 0; j < 16; j++) {  /* rows past the context repeat the first */
             const int64_t t = t0 + (j < n ? j : 0);
             krows[j] = k_pool + (table[t / block_size] * block_size + t % block_size) * row;
         }
-        if (t0 + 16 < len) { /* the next tile's rows: its block is elsewhere in the pool */
-            const int64_t t = t0 + 16;
-            if (block_size >= 16 && t % block_size == 0) /* one contiguous run of rows */
-                prefetch_rows(k_pool + table[t / block_size] * block_size * row,
-                              (len - t < 16 ? len - t : 16) * row);
+        if (t0 + 16 < len && block_size >= 16) { /* the next tile's rows: elsewhere in the pool */
+            const int64_t t = t0 + 16, last = len - 1 < t + 15 ? len - 1 : t + 15;
+            const int64_t b = last / block_size;
+            if (b != (t - 1) / block_size) /* its rows from b's start: one contiguous run */
+                prefetch_rows(k_pool + table[b] * block_size * row,
+                              (last - b * block_size + 1) * row);
         }
         for (int64_t hq = 0; hq < num_heads; hq++) {
             const float *qh = q + hq * head_dim;
@@ -123,32 +131,33 @@ static inline void scores_one_vec(const float *restrict q, const float *restrict
             const v16 r = sum16(a) * scale;
             float out[16];
             memcpy(out, &r, sizeof out);
-            memcpy(scores + hq * stride + t0, out, (size_t)n * sizeof *out);
+            memcpy(scores + hq * stride + t0 - start, out, (size_t)n * sizeof *out);
         }
     }
 }
 #endif
 
 static inline void values_one(const float *restrict probs, const float *restrict v_pool,
-                              const int64_t *restrict table, int64_t len, int64_t num_heads,
-                              int64_t group, int64_t head_dim, int64_t block_size,
-                              int64_t stride, float *restrict out)
+                              const int64_t *restrict table, int64_t start, int64_t len,
+                              int64_t num_heads, int64_t group, int64_t head_dim,
+                              int64_t block_size, int64_t stride, float *restrict out)
 {
     const int64_t row = num_heads / group * head_dim;
     for (int64_t hq = 0; hq < num_heads; hq++) {
         float acc[head_dim];
         memset(acc, 0, sizeof acc);
-        const float *p = probs + hq * stride;
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-            const float *vb = v_pool + table[t0 / block_size] * block_size * row;
-            if (hq == 0 && t0 + block_size < len) /* the first pass fetches; the rest hit cache */
-                prefetch_rows(v_pool + table[t0 / block_size + 1] * block_size * row,
-                              (len - t0 - block_size < block_size ? len - t0 - block_size
-                                                                  : block_size) * row);
+        const float *p = probs + hq * stride - start; /* p[t]: position t's weight */
+        for (int64_t t0 = start; t0 < len;) { /* the part of one block within [start, len) */
+            const int64_t off = t0 % block_size, next = t0 - off + block_size;
+            const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+            const float *vb = v_pool + (table[t0 / block_size] * block_size + off) * row;
+            if (hq == 0 && next < len) /* the first pass fetches; the rest hit cache */
+                prefetch_rows(v_pool + table[next / block_size] * block_size * row,
+                              (len - next < block_size ? len - next : block_size) * row);
             vb += hq / group * head_dim;
+            t0 += n;
             for (int64_t i = 0; i < n; i++) {
-                const float w = p[t0 + i], *v = vb + i * row;
+                const float w = p[t0 - n + i], *v = vb + i * row;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
             }
@@ -166,18 +175,18 @@ static inline void values_one(const float *restrict probs, const float *restrict
     }
 
 #ifdef BATON_VECTOR_SCORES
-#define SCORES(qb, table, len, sb, D)                                                        \
-    ((D) % 16 == 0                                                                           \
-         ? scores_one_vec(qb, k_pool, table, len, num_heads, group, D, block_size, scale, sb, \
-                          stride)                                                            \
-         : scores_one(qb, k_pool, table, len, num_heads, group, D, block_size, scale, sb,     \
-                      stride))
+#define SCORES(qb, table, start, len, sb, D)                                                 \
+    ((D) % 16 == 0 ? scores_one_vec(qb, k_pool, table, start, len, num_heads, group, D,      \
+                                    block_size, scale, sb, stride)                           \
+                   : scores_one(qb, k_pool, table, start, len, num_heads, group, D,          \
+                                block_size, scale, sb, stride))
 #else
-#define SCORES(qb, table, len, sb, D) \
-    scores_one(qb, k_pool, table, len, num_heads, group, D, block_size, scale, sb, stride)
+#define SCORES(qb, table, start, len, sb, D)                                                 \
+    scores_one(qb, k_pool, table, start, len, num_heads, group, D, block_size, scale, sb,    \
+               stride)
 #endif
-#define VALUES(pb, table, len, ob, D) \
-    values_one(pb, v_pool, table, len, num_heads, group, D, block_size, stride, ob)
+#define VALUES(pb, table, start, len, ob, D) \
+    values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size, stride, ob)
 
 /* A pass over batch rows [b0, b1): the arguments of one exported call. */
 struct pass_args {
@@ -186,6 +195,7 @@ struct pass_args {
     const int64_t *block_tables;
     int64_t max_blocks;
     const int64_t *context_lens;
+    const int64_t *starts; /* NULL: every row from position 0 */
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     float *out;  /* scores or out */
@@ -200,10 +210,10 @@ static void scores_rows(const struct pass_args *a, int64_t b0, int64_t b1)
     for (int64_t b = b0; b < b1; b++) {
         const float *qb = a->in + b * num_heads * a->head_dim;
         float *sb = a->out + b * num_heads * stride;
-        const int64_t len = a->context_lens[b];
-        SPECIALISED(SCORES, a->head_dim, qb, a->block_tables + b * a->max_blocks, len, sb)
+        const int64_t len = a->context_lens[b], start = a->starts ? a->starts[b] : 0;
+        SPECIALISED(SCORES, a->head_dim, qb, a->block_tables + b * a->max_blocks, start, len, sb)
         for (int64_t hq = 0; hq < num_heads; hq++) /* the padding, whichever loop scored */
-            for (int64_t t = len; t < stride; t++) sb[hq * stride + t] = -INFINITY;
+            for (int64_t t = len - start; t < stride; t++) sb[hq * stride + t] = -INFINITY;
     }
 }
 
@@ -216,7 +226,7 @@ static void values_rows(const struct pass_args *a, int64_t b0, int64_t b1)
         const float *pb = a->in + b * num_heads * stride;
         float *ob = a->out + b * num_heads * a->head_dim;
         SPECIALISED(VALUES, a->head_dim, pb, a->block_tables + b * a->max_blocks,
-                    a->context_lens[b], ob)
+                    a->starts ? a->starts[b] : 0, a->context_lens[b], ob)
     }
 }
 
@@ -269,22 +279,25 @@ static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int
 
 void baton_paged_decode_scores_f32(const float *q, const float *k_pool,
                                    const int64_t *block_tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t batch, int64_t parts,
-                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t block_size, float scale, float *scores, int64_t stride)
+                                   const int64_t *context_lens, const int64_t *starts,
+                                   int64_t batch, int64_t parts, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   float scale, float *scores, int64_t stride)
 {
-    const struct pass_args a = {q, k_pool, block_tables, max_blocks, context_lens, num_heads,
-                                num_kv_heads, head_dim, block_size, scale, scores, stride};
+    const struct pass_args a = {q, k_pool, block_tables, max_blocks, context_lens, starts,
+                                num_heads, num_kv_heads, head_dim, block_size, scale, scores,
+                                stride};
     split_rows(scores_rows, &a, batch, parts);
 }
 
 void baton_paged_decode_values_f32(const float *probs, const float *v_pool,
                                    const int64_t *block_tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t batch, int64_t parts,
-                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t block_size, int64_t stride, float *out)
+                                   const int64_t *context_lens, const int64_t *starts,
+                                   int64_t batch, int64_t parts, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t stride, float *out)
 {
-    const struct pass_args a = {probs, v_pool, block_tables, max_blocks, context_lens, num_heads,
-                                num_kv_heads, head_dim, block_size, 0.f, out, stride};
+    const struct pass_args a = {probs, v_pool, block_tables, max_blocks, context_lens, starts,
+                                num_heads, num_kv_heads, head_dim, block_size, 0.f, out, stride};
     split_rows(values_rows, &a, batch, parts);
 }

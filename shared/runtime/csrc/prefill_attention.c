@@ -9,8 +9,11 @@
  * (register-blocked: see block()), 2.0-2.3x faster than SDPA's path (16 prompts of 128 tokens,
  * 8 query and 4 KV heads of 32, one thread, Zen 4: ~4.3 against ~9.7 ms a layer):
  *
- *   s[j] = scale * q_i . k_j                     j <= i (causal: a block of rows computes the
- *                                                tiles up to its last row, masks past each row)
+ *   s[j] = scale * q_i . k_j                     i - W < j <= i (causal: a block of rows
+ *                                                computes the tiles up to its last row, masks
+ *                                                past each row; W a sliding window, 0 for none:
+ *                                                tiles wholly before the block's first row's
+ *                                                window are skipped, the rest masked per row)
  *   out_i = sum_j exp(s[j] - max s) v_j / sum_j exp(s[j] - max s)
  *
  * Rows of q, k, v and out are strided (q and k come out of the fused qkv projection as views);
@@ -89,6 +92,7 @@ struct call {
     int64_t q_stride, k_stride, v_stride, out_stride; /* floats between consecutive tokens */
     const int64_t *seq_bounds;                        /* [num_seqs][2]: first, end */
     int64_t num_heads, num_kv_heads, head_dim, max_len;
+    int64_t window; /* a sliding window; 0: none */
     float scale;
     float *out;
 };
@@ -103,14 +107,15 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
                                                         const float *restrict kt,
                                                         const float *restrict vt,
                                                         float *restrict S, int64_t n16,
-                                                        int64_t r0, int64_t nr, float scale,
-                                                        float *restrict out, int64_t out_stride,
-                                                        const int64_t D)
+                                                        int64_t r0, int64_t nr, int64_t W,
+                                                        float scale, float *restrict out,
+                                                        int64_t out_stride, const int64_t D)
 {
     const float *qr[16];
     for (int r = 0; r < 16; r++) qr[r] = q + (r0 + (r < nr ? r : 0)) * q_stride;
     const int64_t tiles = (r0 + nr - 1) / 16 + 1;
-    for (int64_t t = 0; t < tiles; t++) {
+    const int64_t t_lo = W > 0 && r0 - W + 1 > 0 ? (r0 - W + 1) / 16 : 0; /* first row's window */
+    for (int64_t t = t_lo; t < tiles; t++) {
         v16 acc[16];
         for (int r = 0; r < 16; r++) acc[r] = (v16){0};
         const float *kc = kt + t * 16;
@@ -123,21 +128,26 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
     float inv[16];
     for (int64_t r = 0; r < nr; r++) {
         float *sr = S + r * n16;
-        const int64_t i = r0 + r, own = i / 16 + 1; /* columns 0..i, in `own` tiles */
-        for (int64_t l = i + 1; l < own * 16; l++) sr[l] = -3.0e38f; /* below any score */
+        const int64_t i = r0 + r, own = i / 16 + 1; /* columns lo..i, in tiles first..own-1 */
+        const int64_t lo = W > 0 && i - W + 1 > 0 ? i - W + 1 : 0, first = lo / 16;
+        for (int64_t l = first * 16; l < lo; l++) sr[l] = -3.0e38f; /* below any score */
+        for (int64_t l = i + 1; l < own * 16; l++) sr[l] = -3.0e38f;
         v16 mx = splat(-3.0e38f);
-        for (int64_t t = 0; t < own; t++) {
+        for (int64_t t = first; t < own; t++) {
             const v16 x = load16(sr + t * 16);
             mx = select16(x > mx, x, mx);
         }
         const v16 m = splat(hmax16(mx));
         v16 sum;
-        for (int64_t t = 0; t < own; t++) store16(sr + t * 16, exp16(load16(sr + t * 16) - m));
-        /* Weight 0 past i, also in the block's later tiles (its PV below runs over all of them);
-         * exp16 floored the masked scores at ~1e-35, so the sum is taken again without them. */
+        for (int64_t t = first; t < own; t++)
+            store16(sr + t * 16, exp16(load16(sr + t * 16) - m));
+        /* Weight 0 outside lo..i, also in the block's other tiles (its PV below runs over all
+         * of them); exp16 floored the masked scores at ~1e-35, so the sum is taken again
+         * without them. */
+        for (int64_t l = t_lo * 16; l < lo; l++) sr[l] = 0.f;
         for (int64_t l = i + 1; l < tiles * 16; l++) sr[l] = 0.f;
         sum = (v16){0};
-        for (int64_t t = 0; t < own; t++) sum += load16(sr + t * 16);
+        for (int64_t t = first; t < own; t++) sum += load16(sr + t * 16);
         inv[r] = 1.0f / hsum16(sum);
     }
     enum { MAXV = 16 };
@@ -147,7 +157,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
         v16 o[8][MAXV];
         for (int64_t rr = 0; rr < R; rr++)
             for (int64_t x = 0; x < nv; x++) o[rr][x] = (v16){0};
-        for (int64_t j = 0; j < cols; j++) {
+        for (int64_t j = t_lo * 16; j < cols; j++) {
             const float *vj = vt + j * D;
             for (int64_t rr = 0; rr < R; rr++) {
                 const v16 w = splat(S[(h0 + rr < 16 ? h0 + rr : 0) * n16 + j]);
@@ -162,10 +172,10 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
 }
 
 static void block_generic(const float *q, int64_t q_stride, const float *kt, const float *vt,
-                          float *S, int64_t n16, int64_t r0, int64_t nr, float scale, float *out,
-                          int64_t out_stride, int64_t D)
+                          float *S, int64_t n16, int64_t r0, int64_t nr, int64_t W, float scale,
+                          float *out, int64_t out_stride, int64_t D)
 {
-    block(q, q_stride, kt, vt, S, n16, r0, nr, scale, out, out_stride, D);
+    block(q, q_stride, kt, vt, S, n16, r0, nr, W, scale, out, out_stride, D);
 }
 
 /* Every query row of KV head h's query heads in one sequence. */
@@ -192,11 +202,12 @@ static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, floa
         float *out = c->out + start * c->out_stride + hq * D;
         for (int64_t r0 = 0; r0 < n; r0 += 16) {
             const int64_t nr = n - r0 < 16 ? n - r0 : 16;
+            const int64_t W = c->window;
             switch (D) {
-            case 32: block(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, 32); break;
-            case 64: block(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, 64); break;
-            case 128: block(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, 128); break;
-            default: block_generic(q, c->q_stride, kt, vt, S, n16, r0, nr, c->scale, out, c->out_stride, D);
+            case 32: block(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, 32); break;
+            case 64: block(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, 64); break;
+            case 128: block(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, 128); break;
+            default: block_generic(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, D);
             }
         }
     }
@@ -226,11 +237,11 @@ static void *run_part(void *arg)
 int baton_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                                 const float *v, int64_t v_stride, const int64_t *seq_bounds,
                                 int64_t num_seqs, int64_t max_len, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, float scale, float *out,
-                                int64_t out_stride, int64_t parts)
+                                int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                                float scale, float *out, int64_t out_stride, int64_t parts)
 {
     const struct call c = {q, k, v, q_stride, k_stride, v_stride, out_stride, seq_bounds,
-                           num_heads, num_kv_heads, head_dim, max_len, scale, out};
+                           num_heads, num_kv_heads, head_dim, max_len, window, scale, out};
     const int64_t work = num_seqs * num_kv_heads;
     if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts > work) parts = work;
