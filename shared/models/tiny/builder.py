@@ -76,6 +76,9 @@ PRESETS: dict[str, Preset] = {
     "bench": Preset(256, 4, 8, 4, 32, 576, 4096),
     # The bench shape with room for long prompts (loadtest/longctx.py: 8k-token prompts).
     "bench-long": Preset(256, 4, 8, 4, 32, 576, 4096, max_position_embeddings=16384),
+    # A real size: Qwen2-0.5B's layer shapes (24 layers, d=896, ffn 4864, 14 query / 2 KV heads
+    # of 64) with a 4k vocabulary, ~360M matmul params. Build with arch="qwen2" for its layout.
+    "qwen2-0.5b": Preset(896, 24, 14, 2, 64, 4864, 4096, rope_theta=1000000.0),
 }
 
 # Init scales (std = gain / sqrt(fan_in) for projections), tuned by measuring greedy output.
