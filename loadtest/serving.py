@@ -73,10 +73,11 @@ def spawned_baton(
 
 
 def target_for(
-    args: argparse.Namespace, model_dir: Path
+    args: argparse.Namespace, model_dir: Path, env: dict[str, str] | None = None
 ) -> contextlib.AbstractContextManager[Target]:
+    """A spawned Baton (``env``: more BATON_* settings), or the one at ``--url``."""
     if args.spawn:
-        return spawned_baton(model_dir, Path(args.out_json).with_suffix(".services.log"))
+        return spawned_baton(model_dir, Path(args.out_json).with_suffix(".services.log"), env)
     ports = metrics_ports(args.metrics_port) if args.metrics_port else None
     return contextlib.nullcontext(Target(args.url or default_amqp_url(), None, ports))
 

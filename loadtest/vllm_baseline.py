@@ -6,10 +6,11 @@ its own torch and transformers:
 
     /work/vllm-venv/bin/python loadtest/vllm_baseline.py --model DIR --requests REQS.json
 
-REQS.json: ``[{"prompt_token_ids": [...], "max_tokens": n}, ...]``. Generation is fp32, eager,
-greedy, EOS ignored, after an untimed 4-prompt warm-up; ``--repeats`` timed runs (the prefix
-cache reset before each) of which the median counts. Prints one JSON line on stdout (vLLM's own
-logs go before it): output tokens/s, elapsed seconds and every request's output token ids.
+REQS.json: ``[{"prompt_token_ids": [...], "max_tokens": n}, ...]``. Generation is in ``--dtype``
+(fp32 by default; the checkpoint cast on load), eager, greedy, EOS ignored, after an untimed
+4-prompt warm-up; ``--repeats`` timed runs (the prefix cache reset before each) of which the
+median counts. Prints one JSON line on stdout (vLLM's own logs go before it): output tokens/s,
+elapsed seconds and every request's output token ids.
 
 Module level is stdlib only: the bench imports :func:`run_vllm_baseline` and
 :func:`default_vllm_python` from here without vLLM installed.
@@ -62,6 +63,7 @@ def run_vllm_baseline(
     *,
     max_model_len: int,
     repeats: int = 1,
+    dtype: str = "float32",
     timeout_s: float = 1800.0,
     log_path: Path | None = None,
 ) -> dict[str, Any]:
@@ -79,7 +81,7 @@ def run_vllm_baseline(
         reqs_path = f.name
     cmd = [str(python), str(Path(__file__).resolve()), "--model", str(model_dir),
            "--requests", reqs_path, "--max-model-len", str(max_model_len),
-           "--repeats", str(repeats)]  # fmt: skip
+           "--repeats", str(repeats), "--dtype", dtype]  # fmt: skip
     # vLLM's CPU backend binds its OpenMP threads itself; a leftover OMP setting would fight it.
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
     try:
@@ -99,8 +101,9 @@ def run_vllm_baseline(
 
 
 def _generate(
-    model: str, reqs: list[dict[str, Any]], max_model_len: int, kv_cache_bytes: int, repeats: int
-) -> dict[str, Any]:
+    model: str, reqs: list[dict[str, Any]], max_model_len: int, kv_cache_bytes: int, repeats: int,
+    dtype: str,
+) -> dict[str, Any]:  # fmt: skip
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -108,7 +111,7 @@ def _generate(
 
     # An explicit KV cache size: vLLM's CPU backend otherwise reserves a fraction of the
     # machine's memory and refuses to start when other processes hold too much of it.
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
               seed=0, kv_cache_memory_bytes=kv_cache_bytes)  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_token_ids"])) for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]), ignore_eos=True)
@@ -133,6 +136,7 @@ def _generate(
         "output_tokens": n_out,
         "num_requests": len(reqs),
         "vllm_version": vllm.__version__,
+        "dtype": dtype,
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "token_ids": token_ids,
@@ -150,11 +154,13 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache size")
     p.add_argument("--repeats", type=int, default=1, help="timed runs; the median is reported")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (cast on load)")
     args = p.parse_args()
     reqs = json.loads(Path(args.requests).read_text())
     result = _generate(
-        args.model, reqs, args.max_model_len, int(args.kv_cache_gib * 2**30), args.repeats
-    )
+        args.model, reqs, args.max_model_len, int(args.kv_cache_gib * 2**30), args.repeats,
+        args.dtype,
+    )  # fmt: skip
     print(json.dumps(result), flush=True)
     return 0
 
