@@ -9,10 +9,12 @@ from loadtest.bench_args import SHAPES, parse_args
 
 # A toy config small enough to check by hand.
 TOY = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
-       "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 10}  # fmt: skip
+       "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16,
+       "vocab_size": 10}  # fmt: skip
 # Qwen2-0.5B's shapes, as shared/models/tiny/builder.py's "qwen2-0.5b" preset (4k vocabulary).
 QWEN = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 4864, "vocab_size": 4096}  # fmt: skip
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 4864,
+        "vocab_size": 4096}  # fmt: skip
 
 
 def test_toy_shape_params_and_kv_bytes() -> None:
