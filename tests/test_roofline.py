@@ -79,8 +79,9 @@ def test_roofline_rows_from_the_profile_and_from_the_client() -> None:
     ]}  # fmt: skip
     r = roofline.roofline(TOY, "float32", probes, prompts, outputs, _summary(0.1, 0.3), profile)
     assert r["decode_step"]["batch"] == 2 and r["decode_step"]["context"] == 5.5
-    dec, pre = r["rows"]
+    dec, client, pre = r["rows"]
     assert dec["measured_s"] == 0.5 and "profile" in dec["source"]
+    assert client["measured_s"] == 0.1 and client["floor_s"] == dec["floor_s"]
     assert dec["pct_of_floor"] == pytest.approx(100 * dec["floor_s"] / 0.5)
     assert pre["floor_s"] == pytest.approx(20_096 / 100e9)
     assert pre["measured_s"] == 0.5 and pre["bound"] == "GEMM peak"
