@@ -231,16 +231,17 @@ def format_roofline(r: Mapping[str, Any]) -> str:
 
 
 def plot_roofline(ax: Any, r: Mapping[str, Any]) -> None:
-    """Floor and measured milliseconds per phase, side by side, on a matplotlib axis."""
+    """% of floor per phase as bars (one axis for all: the phases' milliseconds differ 100-fold),
+    each labelled with its floor and measured milliseconds."""
     rows = r["rows"]
-    ys = list(range(len(rows)))
-    ax.barh([y + 0.2 for y in ys], [1000 * x["floor_s"] for x in rows], 0.4, label="floor")
-    ax.barh([y - 0.2 for y in ys], [1000 * (x["measured_s"] or 0) for x in rows], 0.4,
-            label="Baton")  # fmt: skip
+    ys = list(range(len(rows)))[::-1]
+    ax.barh(ys, [x["pct_of_floor"] or 0 for x in rows], 0.6)
     for y, x in zip(ys, rows, strict=True):
-        if x["pct_of_floor"] is not None:
-            ax.text(1000 * (x["measured_s"] or 0), y - 0.2, f" {x['pct_of_floor']:.0f}%",
-                    va="center", fontsize=8)  # fmt: skip
-    ax.set_yticks(ys, [x["phase"] for x in rows], fontsize=8)
-    ax.set(xlabel="ms", title=f"roofline ({r['dtype']}): % = floor / Baton")
-    ax.legend(fontsize=8)
+        meas = "-" if x["measured_s"] is None else f"{1000 * x['measured_s']:.0f}"
+        pct = x["pct_of_floor"] or 0
+        ax.text(2, y, f"{x['phase'].strip()}: floor {1000 * x['floor_s']:.0f} ms, Baton {meas} ms"
+                f" ({pct:.0f}%)", va="center", fontsize=7)  # fmt: skip
+    ax.set_yticks([])
+    ax.set(xlabel="% of floor (floor / measured)", xlim=(0, 100),
+           title=f"roofline ({r['dtype']}), {r['probes']['bandwidth_gbs']:.0f} GB/s, "
+           f"{r['probes']['gemm_gflops']:.0f} GFLOP/s")  # fmt: skip
