@@ -304,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     profiles = [r["profile"] for r in report["runs"] if r["profile"] is not None]
     if profiles:
         prof_png = out.with_name(out.stem + "_profile.png")
-        stage_profile.plot_profile(prof_png, profiles)
+        last = profiles[-1]
+        phases = last.get("phases")
+        stage_profile.plot_profile(
+            prof_png, profiles,
+            (lambda ax: phase_cpu.plot_phases(ax, phases, last["cores"])) if phases else None,
+        )  # fmt: skip
         written.append(str(prof_png))
     say(f"wrote {', '.join(written)}")
     return 0 if all(r["summary"]["failed"] == 0 for r in report["runs"]) else 1

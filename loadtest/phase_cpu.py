@@ -87,3 +87,19 @@ def format_phases(phases: Mapping[str, Mapping[str, Any]], cores: int) -> str:
         each = ", ".join(f"{k} {v:.2f}" for k, v in top if v >= 0.01)
         lines.append(f"  {name:<13}{p['wall_s']:>7.2f} s  total {busy:.2f}: {each}")
     return "\n".join(lines)
+
+
+def plot_phases(ax: Any, phases: Mapping[str, Mapping[str, Any]], cores: int) -> None:
+    """Stacked bars per phase: mean cores busy by process, the machine's cores as a red line."""
+    names = list(phases)
+    procs = list(dict.fromkeys(k for p in phases.values() for k in p["cores"]))
+    bottom = [0.0] * len(names)
+    for proc in procs:
+        h = [phases[n]["cores"].get(proc, 0.0) for n in names]
+        ax.bar(names, h, bottom=bottom, label=proc, width=0.5)
+        bottom = [b + x for b, x in zip(bottom, h, strict=True)]
+    ax.axhline(cores, color="red", ls=":", lw=1.0)
+    ticks = [f"{n}\n{phases[n]['wall_s']:.1f} s" for n in names]
+    ax.set_xticks(range(len(names)), ticks)
+    ax.set(title=f"cores busy per process by phase (red: {cores} cores)", ylabel="cores")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

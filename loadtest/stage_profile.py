@@ -32,7 +32,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -383,14 +383,19 @@ def format_profile(p: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_profile(path: Path, profiles: list[Mapping[str, Any]]) -> None:
-    """Stacked bars per run: CPU seconds by process (left), busy seconds by stage (right)."""
+def plot_profile(
+    path: Path, profiles: list[Mapping[str, Any]], extra: Callable[[Any], None] | None = None
+) -> None:
+    """Stacked bars per run: CPU seconds by process (left), busy seconds by stage; ``extra``
+    draws a third panel (the bench's cores per phase) on the axis it is given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    fig, axes = plt.subplots(1, 3 if extra else 2, figsize=(21 if extra else 14, 5))
+    if extra:
+        extra(axes[2])
     labels = [p["label"] for p in profiles]
     xs = list(range(len(profiles)))
     parts: list[tuple[Any, list[dict[str, float]], str]] = [
