@@ -67,7 +67,10 @@ class PhaseSampler:
             self.samples.append((time.monotonic(), stage_profile.cpu_snapshot(self.procs)))
             if self._stop.wait(self.interval_s):
                 break
-        self.samples.append((time.monotonic(), stage_profile.cpu_snapshot(self.procs)))
+        # The tail after the last full interval, unless too short to class (a stray sample of
+        # the broker's bookkeeping would otherwise show as a phase of its own).
+        if time.monotonic() - self.samples[-1][0] >= self.interval_s / 2:
+            self.samples.append((time.monotonic(), stage_profile.cpu_snapshot(self.procs)))
 
     def start(self) -> None:
         self._thread.start()

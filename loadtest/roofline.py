@@ -18,6 +18,8 @@ Floors, from the model's config.json (llama/qwen2 layouts):
 Baton's measured decode step is the decode service's forward time per step from the profile
 (``baton:forward_seconds``), else TPOT p50; its prefill the prefill service's forward seconds
 from the profile, else the slowest TTFT of an all-at-once wave. "% of floor" = floor / measured.
+The floors are the whole machine's, while each engine runs on half the cores by default
+(BATON_*_TORCH_THREADS): that choice is part of the gap, by design of the measure.
 """
 
 from __future__ import annotations
