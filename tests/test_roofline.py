@@ -120,3 +120,11 @@ def test_model_shape_presets_fill_only_what_is_not_given() -> None:
     assert (a.num_requests, a.input_len, a.output_len) == (64, 128, 64)
     assert SHAPES["bench"].cache_dir.endswith("models/bench-llama")  # the bench's old cache
     assert SHAPES["qwen2-0.5b"].cache_dir.endswith("models/qwen2-0.5b-qwen2")
+
+
+def test_best_of_two_probes_keeps_the_faster_figures() -> None:
+    a = {"bandwidth_gbs": 20.0, "gemm_gflops": 300.0, "probe_s": 1.0, "dtype": "float32"}
+    b = {"bandwidth_gbs": 25.0, "gemm_gflops": 120.0, "probe_s": 2.0, "dtype": "float32"}
+    m = roofline.best_of(a, b)
+    assert (m["bandwidth_gbs"], m["gemm_gflops"], m["probe_s"]) == (25.0, 300.0, 3.0)
+    assert m["gemm_gflops_runs"] == [300.0, 120.0] and m["dtype"] == "float32"
