@@ -232,7 +232,7 @@ def format_roofline(r: Mapping[str, Any]) -> str:
     if "gemm_gflops_runs" in p:
         runs = zip(p["bandwidth_gbs_runs"], p["gemm_gflops_runs"], strict=True)
         each = ", ".join(f"{bw:.1f} GB/s {g:.1f} GFLOP/s" for bw, g in runs)
-        lines.append(f"  probes before/after Baton: {each} (best counts; fp32: or the matmul timing)")
+        lines.append(f"  probes before/after Baton: {each} (best counts; fp32: or matmul timing)")
     lines.append(f"decode step reads {d['weight_bytes'] / 1e6:.1f} MB weights + "
                  f"{d['kv_bytes'] / 1e6:.1f} MB KV: memory {1000 * d['memory_s']:.2f} ms, "
                  f"compute {1000 * d['compute_s']:.2f} ms")  # fmt: skip
