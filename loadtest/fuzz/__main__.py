@@ -1,21 +1,5 @@
-"""Bad-input fuzz of a running Baton: every case gets the contract's answer, nothing crashes.
-
-    python -m loadtest.fuzz --cases 1000 --seed 0            # spawns Baton in a fresh vhost
-    python -m loadtest.fuzz --cases 1000 --url amqp://...    # against a running Baton
-    python -m loadtest.fuzz --cases 0                        # internal-queue cases only
-
-Client cases (``fuzz_cases``, drawn by Hypothesis from ``--seed``): request maps with valid,
-invalid and junk field values, raw and truncated bodies, msgpack bombs, bodies over the size
-limit, and AMQP oddities (no correlation id, another one, header priorities up to 255, no
-reply_to, reply_to an internal queue). Each must get exactly one terminal reply, well formed
-(``fuzz_checks``), with the error code the parser predicts for a body it refuses; one without
-reply_to must be dead-lettered instead. After each batch a known-good request must be served.
-Internal cases (``fuzz_internal``): malformed messages on the queues between the services, each
-dead-lettered with a log line. Prints the count and an outcome table; exits 1 on any violation.
-
-The parser's verdict uses this process's ``BATON_*`` settings: against a running Baton, run with
-the settings its services use. Log lines are checked only when this process spawned the services.
-"""
+"""``python -m loadtest fuzz``: the fuzz (``loadtest/fuzz/__init__.py``) against a Baton it
+spawns in a fresh vhost, or a running one (``--url``); prints the outcome table."""
 
 from __future__ import annotations
 
@@ -25,77 +9,14 @@ import json
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from loadtest.fuzz_cases import canary_case, client_cases
-from loadtest.fuzz_client import ClientFuzzer, Report
-from loadtest.fuzz_internal import internal_cases, run_internal
+import loadtest.fuzz
+from loadtest.fuzz import Report, format_table, run_fuzz
 from services.launcher import LocalSystem, fresh_vhost
 from shared.client import default_amqp_url
 from shared.config import BatonConfig
-
-__all__ = ["Report", "format_table", "main", "run_fuzz"]
-
-
-async def run_fuzz(
-    url: str,
-    *,
-    cases: int,
-    seed: int,
-    config: BatonConfig | None = None,
-    batch_size: int = 100,
-    concurrency: int = 32,
-    timeout_s: float = 60.0,
-    internal: bool = True,
-    leaf_types: bool = True,
-    only: set[int] | None = None,
-    read_log: Callable[[], str] | None = None,
-    progress: Callable[[str], None] = print,
-) -> Report:
-    """The whole fuzz against the Baton at ``url``; the report holds every violation."""
-    config = config or BatonConfig.from_env()
-    t0 = time.monotonic()
-    run = uuid.uuid4().hex[:6]
-    todo = client_cases(cases, seed, config, run)  # Hypothesis' draws depend on the count too
-    if only:
-        todo = [c for c in todo if c.index in only]
-    progress(
-        f"fuzz: {len(todo)} client cases generated from seed {seed} in {time.monotonic() - t0:.1f}s"
-    )
-    async with ClientFuzzer(
-        url, concurrency=concurrency, timeout_s=timeout_s, read_log=read_log
-    ) as fuzzer:
-        report = fuzzer.report
-        for n, start in enumerate(range(0, len(todo), batch_size)):
-            canary = canary_case(n, seed, config, run)
-            served = await fuzzer.run_batch(todo[start : start + batch_size], canary)
-            progress(
-                f"fuzz: {report.cases}/{len(todo)} cases, {len(report.violations)} violations, "
-                f"{time.monotonic() - t0:.0f}s"
-            )
-            if not served:  # every later case would only wait out its timeout
-                progress("fuzz: a known-good request was not served; stopping here")
-                return report
-        if internal or leaf_types:
-            inner = internal_cases(seed, config, run, leaf_types=leaf_types)
-            await run_internal(fuzzer, inner, read_log)
-            await fuzzer.check_canary(canary_case(len(todo) // batch_size + 1, seed, config, run))
-            progress(
-                f"fuzz: {len(inner)} internal-queue cases, {len(report.violations)} "
-                f"violations in all, {time.monotonic() - t0:.0f}s"
-            )
-        return report
-
-
-def format_table(report: Report) -> str:
-    rows = sorted(report.outcomes.items())
-    width = max([len(k) for k, _ in rows] + [7])
-    lines = [f"{'outcome':<{width}}  count", f"{'-' * width}  -----"]
-    lines += [f"{k:<{width}}  {v:>5}" for k, v in rows]
-    lines.append(f"{'total':<{width}}  {sum(report.outcomes.values()):>5}")
-    return "\n".join(lines)
 
 
 def print_report(report: Report, wall_s: float, max_violations: int = 50) -> None:
@@ -150,7 +71,11 @@ async def _run(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest fuzz",
+        description=loadtest.fuzz.__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--cases", type=int, default=1000, help="client cases (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="the same seed and --cases: same cases")
     p.add_argument("--url", default=None, help="a running Baton's AMQP URL (default: spawn one)")
