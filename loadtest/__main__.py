@@ -4,12 +4,12 @@
     python -m loadtest bench --spawn          # a tool, with its own options
     python -m loadtest longctx --help
 
-Each name runs a module's ``main`` (``python -m loadtest.<module>`` still works); ``overhead``
-and ``mixed`` are ``bench`` with ``--fixed-overhead`` / ``--mixed`` put first. A description is
-the first paragraph of the module's docstring (cut to a line), read without importing it (so the list costs no
-torch import). A module of ``loadtest/`` with a ``main`` and a ``__main__`` guard that the table
-does not name is listed under its own name, ``_`` as ``-`` (a new bench needs no entry here).
-Model shapes come from ``shared/models/tiny/builder.py``'s PRESETS (``loadtest/models.py``);
+Each name runs a module's ``main`` (``python -m loadtest.<module>`` still works); ``overhead`` and
+``mixed`` are ``bench`` with ``--fixed-overhead`` / ``--mixed`` put first. A description is the
+first paragraph of the module's docstring, cut to a line, read without importing the module (the
+list costs no torch import). A module of ``loadtest/`` with a ``main`` and a ``__main__`` guard that
+the table does not name is listed under its own name, ``_`` as ``-`` (a new bench needs no entry
+here). Model shapes come from ``shared/models/tiny/builder.py``'s PRESETS (``loadtest/models.py``);
 request workloads and latency statistics from ``loadtest/workload.py``.
 """
 
@@ -101,7 +101,9 @@ def about(command: Command) -> str:
     if not doc:
         return f"loadtest/{path.name}"
     first = " ".join(doc.split("\n\n")[0].split())  # the first paragraph, on one line
-    return first if len(first) <= ABOUT_WIDTH else first[: ABOUT_WIDTH - 3].rsplit(" ", 1)[0] + "..."
+    if len(first) > ABOUT_WIDTH:
+        first = first[: ABOUT_WIDTH - 3].rsplit(" ", 1)[0] + "..."
+    return first
 
 
 def listing() -> str:

@@ -1,8 +1,8 @@
 """KV handoff micro-benchmark: the spill store (``shm``) vs the pooled transport (``pool``) vs the
 cross-node one (``mooncake``), with a plain memcpy of the same bytes as the ceiling.
 
-    python -m loadtest.handoff_bench          # bench-model KV; 128- and 1024-token prompts
-    python -m loadtest.handoff_bench --netns  # mooncake over a veth link between two namespaces
+    python -m loadtest handoff          # bench-model KV; 128- and 1024-token prompts
+    python -m loadtest handoff --netns  # mooncake over a veth link between two namespaces
 
 Two processes, as in serving: a prefill process owns the senders (the ``pool`` one exports its
 KV cache as the shared pool; ``shm`` copies out of the same cache), this process is decode. Each
@@ -43,14 +43,16 @@ from typing import Any
 
 import torch
 
-from shared.config import REPO_ROOT
+from loadtest.models import kv_block_bytes, shape
+from shared.config import REPO_ROOT, BatonConfig
 from shared.kv_transfer import KVConnector, KVLoad, PoolConnector, ShmConnector
 from shared.wire.messages import KVDescriptor, KVRelease, pack, unpack
 
-# The bench model (d=256, 8 heads, 4 KV heads, 4 layers) with Baton's block size; fp32 on CPU.
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCKS = 4, 4, 32, 16, 512
+# The bench model's KV (loadtest/models.py) in Baton's block size; fp32 on CPU.
+BENCH, BLOCK_SIZE, BLOCKS = shape("bench"), BatonConfig().block_size, 512
+LAYERS, KV_HEADS, HEAD_DIM = BENCH.num_hidden_layers, BENCH.num_key_value_heads, BENCH.head_dim
 SHAPE = (LAYERS, 2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+BLOCK_BYTES = kv_block_bytes("bench", BLOCK_SIZE, 4)
 OUT = REPO_ROOT / "loadtest" / "results" / "handoff_bench.json"
 WARMUP = 10
 CASES = (
