@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import loadtest.fuzz
@@ -32,42 +32,28 @@ def print_report(report: Report, wall_s: float, max_violations: int = 50) -> Non
         print("no violations")
 
 
-async def _spawned(args: argparse.Namespace, config: BatonConfig) -> tuple[Report, float]:
-    log_path = Path(tempfile.mkstemp(prefix="baton-fuzz-", suffix=".log")[1])
-    with fresh_vhost(default_amqp_url(), prefix="baton-fuzz") as url:
-        system = LocalSystem(url, log_path=log_path)
-        system.start()
-        print(f"fuzz: spawned Baton on {url.split('@')[-1]}, log: {log_path}", flush=True)
-        try:
+async def _run(args: argparse.Namespace, config: BatonConfig) -> tuple[Report, float]:
+    """Against ``--url``, or a Baton spawned in a fresh vhost (its log lines checked too)."""
+    with contextlib.ExitStack() as stack:
+        url, read_log = args.url, None
+        if url is None:
+            log_path = Path(tempfile.mkstemp(prefix="baton-fuzz-", suffix=".log")[1])
+            url = stack.enter_context(fresh_vhost(default_amqp_url(), prefix="baton-fuzz"))
+            system = LocalSystem(url, log_path=log_path)
+            system.start()
+            stack.callback(system.stop, timeout_s=30)
+            print(f"fuzz: spawned Baton on {url.split('@')[-1]}, log: {log_path}", flush=True)
             await system.wait_ready()
-            t0 = time.monotonic()
-            report = await _run(args, url, config, lambda: log_path.read_text(errors="replace"))
-            return report, time.monotonic() - t0
-        finally:
-            system.stop(timeout_s=30)
-
-
-async def _run(
-    args: argparse.Namespace,
-    url: str,
-    config: BatonConfig,
-    read_log: Callable[[], str] | None,
-) -> Report:
-    only = {int(i) for i in args.only.split(",")} if args.only else None
-    return await run_fuzz(
-        url,
-        cases=args.cases,
-        seed=args.seed,
-        config=config,
-        batch_size=args.batch,
-        concurrency=args.concurrency,
-        timeout_s=args.timeout,
-        internal=not args.no_internal,
-        leaf_types=args.internal_leaf_types,
-        only=only,
-        read_log=read_log,
-        progress=lambda line: print(line, flush=True),
-    )
+            read_log = lambda: log_path.read_text(errors="replace")  # noqa: E731
+        t0 = time.monotonic()
+        report = await run_fuzz(
+            url, cases=args.cases, seed=args.seed, config=config, batch_size=args.batch,
+            concurrency=args.concurrency, timeout_s=args.timeout, internal=not args.no_internal,
+            leaf_types=args.internal_leaf_types,
+            only={int(i) for i in args.only.split(",")} if args.only else None,
+            read_log=read_log, progress=lambda line: print(line, flush=True),
+        )  # fmt: skip
+        return report, time.monotonic() - t0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,12 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = BatonConfig.from_env()
-    if args.url is None:
-        report, wall_s = asyncio.run(_spawned(args, config))
-    else:
-        t0 = time.monotonic()
-        report = asyncio.run(_run(args, args.url, config, None))
-        wall_s = time.monotonic() - t0
+    report, wall_s = asyncio.run(_run(args, config))
     print_report(report, wall_s)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
