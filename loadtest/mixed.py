@@ -1,7 +1,7 @@
 """A mixed workload: short requests streaming while ~1.5k-token prompts arrive in a burst.
 
-    python -m loadtest.bench --spawn --mixed              # bench model, both configurations
-    python -m loadtest.bench --spawn --mixed --mixed-rate 6 --requests 60
+    python -m loadtest bench --spawn --mixed              # bench model, both configurations
+    python -m loadtest bench --spawn --mixed --mixed-rate 6 --requests 60
 
 Per configuration Baton is spawned once and serves two phases, the same short requests in each
 (64-token prompts, 64 output tokens, Poisson arrivals): **steady**, shorts only; **burst**, the
