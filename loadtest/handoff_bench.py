@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from loadtest.models import kv_block_bytes, shape
+from loadtest.plots import Panel, grouped_bars
 from shared.config import REPO_ROOT, BatonConfig
 from shared.kv_transfer import KVConnector, KVLoad, PoolConnector, ShmConnector
 from shared.wire.messages import KVDescriptor, KVRelease, pack, unpack
@@ -331,24 +332,17 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    prompts = sorted({r["tokens"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4))
-    for ax, tokens in zip(list(getattr(axes, "flat", [axes])), prompts, strict=True):
+    panels = []
+    for tokens in sorted({r["tokens"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["tokens"] == tokens]
-        labels = [f"{r['transport']}\n{r['layout']}" for r in rows]
-        bars = ax.bar(labels, [r["handoff_us"] for r in rows], color="#4c72b0")
-        ax.bar_label(bars, labels=[f"{r['gb_per_s']:.1f} GB/s" for r in rows], fontsize=8)
-        ax.set_title(f"{tokens}-token prompt ({rows[0]['bytes'] >> 10} KiB of KV)")
-        ax.set_ylabel("µs per handoff, log scale (lower is better)")
-        ax.set_yscale("log")
-    fig.suptitle("KV handoff, two processes, bench-model KV (fp32)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        panels.append(Panel(
+            f"{tokens}-token prompt ({rows[0]['bytes'] >> 10} KiB of KV)",
+            [f"{r['transport']}\n{r['layout']}" for r in rows],
+            {"handoff": [r["handoff_us"] for r in rows]},
+            [f"{r['gb_per_s']:.1f} GB/s" for r in rows],
+        ))  # fmt: skip
+    grouped_bars(path, panels, ylabel="µs per handoff, log scale (lower is better)", log=True,
+                 title="KV handoff, two processes, bench-model KV (fp32)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from loadtest.models import arch_of, preset_model
+from loadtest.plots import Panel, grouped_bars
 from shared.config import REPO_ROOT, BatonConfig
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.outputs import NewRequest
@@ -123,33 +124,17 @@ def run(cache: Cache, length: int, requests: int, output_len: int, seed: int) ->
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = [
-        ("kv_mib_per_request", "decode KV per request (MiB)"),
-        ("ttft_s_median", "TTFT median (s)"),
-        ("tpot_ms_median", "TPOT median (ms)"),
-    ]
     lengths = sorted({r["prompt_len"] for r in rows})
     caches = list(dict.fromkeys(r["cache"] for r in rows))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4))
-    width = 0.8 / len(caches)
-    for ax, (key, title) in zip(axes, metrics, strict=True):
-        for j, cache in enumerate(caches):
-            values = [
-                next((r[key] for r in rows if r["cache"] == cache and r["prompt_len"] == n), 0)
-                for n in lengths
-            ]
-            ax.bar([i + j * width for i in range(len(lengths))], values, width, label=cache)
-        ax.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(lengths))])
-        ax.set_xticklabels([f"{n} tokens" for n in lengths])
-        ax.set_title(title)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    by = {(r["cache"], r["prompt_len"]): r for r in rows}
+    panels = [
+        Panel(title, [f"{n} tokens" for n in lengths],
+              {c: [by[c, n][key] if (c, n) in by else 0 for n in lengths] for c in caches})
+        for key, title in (("kv_mib_per_request", "decode KV per request (MiB)"),
+                           ("ttft_s_median", "TTFT median (s)"),
+                           ("tpot_ms_median", "TPOT median (ms)"))
+    ]  # fmt: skip
+    grouped_bars(path, panels)
 
 
 def main() -> None:
