@@ -21,7 +21,7 @@ lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 
 bench: setup broker
-	$(PYTHON) -m loadtest.bench --spawn
+	$(PYTHON) -m loadtest bench --spawn
 
 compose-check: setup
 	$(PYTHON) -m deploy.compose_check

@@ -52,6 +52,7 @@ from loadtest.baselines import (
 )
 from loadtest.bench_args import DEFAULT_OUT, SHAPES, parse_args
 from loadtest.mixed import mixed_main
+from loadtest.models import preset_model
 from loadtest.overhead import fixed_overhead_main
 from loadtest.serving import finite, run_load, say, settle, target_for, warm_up
 from loadtest.workload import (
@@ -81,8 +82,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
     if args.spawn:
-        shape = SHAPES[args.model_shape]
-        return ensure_tiny_model(Path(shape.cache_dir), preset=shape.preset, arch=shape.arch)
+        return preset_model(SHAPES[args.model_shape].preset)
     model_dir = BatonConfig.from_env().model_dir
     if model_dir == DEFAULT_MODEL_DIR:
         return ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")

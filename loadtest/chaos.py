@@ -1,19 +1,19 @@
 """Chaos at the raw wire: every stage replicated, random SIGKILLs, and the client contract
 checked by a client that speaks the queue contract directly.
 
-    python -m loadtest.chaos --minutes 10 --kill-every-s 30      # the long run (the soak)
-    python -m loadtest.chaos --minutes 0.75 --kills 20 --max-tokens 120 --requests 64 --seed 29
+    python -m loadtest chaos --minutes 10 --kill-every-s 30      # the long run (the soak)
+    python -m loadtest chaos --minutes 0.75 --kills 20 --max-tokens 120 --requests 64 --seed 29
                                                                  # CI's run, replayed by its seed
 
 Two processes of each service (tokenizer, prefill, decode, detokenizer) in a fresh vhost. The
 client is plain aio-pika: no client library, no deduplication — it publishes request maps to
-``baton.requests`` and keeps every reply in the order it came (``raw_wire.py``). First an
+``baton.requests`` and keeps every reply in the order it came (``reply_log.ReplyLog``). First an
 undisturbed run of the prompts gives the reference tokens (greedy and seeded sampling
 alternate). Then requests are sent at random moments while a driver SIGKILLs a random process
 at random moments and restarts it after a moment. Everything random is drawn from ``--seed``:
 a failing run replays.
 
-Per request it counts (``raw_wire.Counts``): exactly one terminal reply or not, extra terminal
+Per request it counts (``reply_log.Counts``): exactly one terminal reply or not, extra terminal
 replies, token positions repeated, missing or out of order, text that does not continue the
 stream, tokens unequal to the undisturbed run's; at the end, KV blocks still used or pinned in
 any engine and spill entries left (the survivors sweep orphans after BATON_SPILL_ORPHAN_TIMEOUT_S).
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -32,12 +33,12 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.raw_wire import Counts, RawWire, judge
+from loadtest.reply_log import Counts, ReplyLog, judge
+from loadtest.serving import say
 from services.launcher import ServiceProcesses, free_port_block, fresh_vhost
 from services.shell.registry import PIPELINE
 from shared.client.async_client import default_amqp_url
@@ -53,10 +54,6 @@ CHAOS_ENV = {
     "BATON_SPILL_ORPHAN_TIMEOUT_S": "10",
     "BATON_MAX_DELIVERY_FAILURES": "50",
 }
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ def _scrape(port: int) -> dict[str, float]:
         return {}
 
 
-@contextmanager
+@contextlib.contextmanager
 def replicated_system(url: str | None = None) -> Iterator[ReplicatedSystem]:
     with fresh_vhost(url or default_amqp_url(), prefix="baton-chaos") as vhost_url:
         system = ReplicatedSystem(vhost_url)
@@ -172,15 +169,13 @@ def replicated_system(url: str | None = None) -> Iterator[ReplicatedSystem]:
 
 async def reference_tokens(system: ReplicatedSystem, work: list[RequestMsg]) -> list[list[int]]:
     """The undisturbed run: each prompt once, every check passing."""
-    async with RawWire(system.procs.amqp_url) as wire:
-        for msg in work:
-            await wire.send(msg)
-        await wire.wait([m.request_id for m in work], 300)
+    async with ReplyLog(system.procs.amqp_url) as wire:
+        await wire.wait(await wire.send(work), 300)
     counts = Counts()
     for msg in work:
         judge(wire.replies[msg.request_id], None, counts)
     assert not counts.problems(), f"the undisturbed run: {counts.problems()}"
-    return [next(r for r in wire.replies[m.request_id] if r.type == "done").token_ids for m in work]
+    return [wire.check_stream(m.request_id).token_ids for m in work]
 
 
 async def run_chaos(
@@ -197,11 +192,11 @@ async def run_chaos(
     async def at(offset: float) -> None:
         await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
 
-    async def sender(wire: RawWire) -> None:
+    async def sender(wire: ReplyLog) -> None:
         for offset, p in plan.sends:
             await at(offset)
             rid = f"chaos-{plan.seed}-{len(sent)}-{uuid.uuid4().hex[:6]}"
-            await wire.send(dataclasses.replace(work[p], request_id=rid))
+            await wire.send([dataclasses.replace(work[p], request_id=rid)])
             sent[rid] = p
 
     async def striker() -> None:
@@ -212,10 +207,11 @@ async def run_chaos(
             await asyncio.sleep(down_s)
             system.start(instance)
 
-    async with RawWire(system.procs.amqp_url) as wire:
+    async with ReplyLog(system.procs.amqp_url) as wire:
         await asyncio.gather(sender(wire), striker())
         say(f"[{time.monotonic() - t0:6.1f}s] all sent and struck; waiting for the answers")
-        await wire.wait(list(sent), grace_s)
+        with contextlib.suppress(TimeoutError):  # an unanswered request counts as no_terminal
+            await wire.wait(list(sent), grace_s)
     counts = Counts()
     for rid, p in sent.items():
         judge(wire.replies[rid], reference[p], counts)

@@ -1,8 +1,8 @@
 """What exactly-once costs the broker: replies published and inputs acked, by confirms or in
 transactions, in messages per second on this machine's RabbitMQ.
 
-    python -m loadtest.exactly_once_bench                 # groups of 1, 8, 64; 3 rounds
-    python -m loadtest.exactly_once_bench --json tx.json
+    python -m loadtest exactly-once                 # groups of 1, 8, 64; 3 rounds
+    python -m loadtest exactly-once --json tx.json
 
 The detokenizer's pattern: take a group of input messages, publish one persistent reply per
 input, then settle the inputs. Two ways, run interleaved in rounds (the machine is shared):

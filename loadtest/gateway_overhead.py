@@ -1,7 +1,7 @@
 """What the HTTP gateway adds: the same requests through the queue and through the gateway.
 
-    python -m loadtest.gateway_overhead --spawn          # start Baton + a gateway, measure, stop
-    python -m loadtest.gateway_overhead                  # against BATON_AMQP_URL and --url
+    python -m loadtest gateway-overhead --spawn          # start Baton + a gateway, measure, stop
+    python -m loadtest gateway-overhead                  # against BATON_AMQP_URL and --url
 
 Two workloads, each request sent once per path, the paths alternating so drift (a warming cache,
 a busy core) hits both alike:
@@ -194,7 +194,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.gateway_overhead",
+        prog="python -m loadtest gateway-overhead",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,8 +1,8 @@
 """KV handoff micro-benchmark: the spill store (``shm``) vs the pooled transport (``pool``) vs the
 cross-node one (``mooncake``), with a plain memcpy of the same bytes as the ceiling.
 
-    python -m loadtest.handoff_bench          # bench-model KV; 128- and 1024-token prompts
-    python -m loadtest.handoff_bench --netns  # mooncake over a veth link between two namespaces
+    python -m loadtest handoff          # bench-model KV; 128- and 1024-token prompts
+    python -m loadtest handoff --netns  # mooncake over a veth link between two namespaces
 
 Two processes, as in serving: a prefill process owns the senders (the ``pool`` one exports its
 KV cache as the shared pool; ``shm`` copies out of the same cache), this process is decode. Each
@@ -43,14 +43,17 @@ from typing import Any
 
 import torch
 
-from shared.config import REPO_ROOT
+from loadtest.models import kv_block_bytes, shape
+from loadtest.plots import Panel, grouped_bars
+from shared.config import REPO_ROOT, BatonConfig
 from shared.kv_transfer import KVConnector, KVLoad, PoolConnector, ShmConnector
 from shared.wire.messages import KVDescriptor, KVRelease, pack, unpack
 
-# The bench model (d=256, 8 heads, 4 KV heads, 4 layers) with Baton's block size; fp32 on CPU.
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCKS = 4, 4, 32, 16, 512
+# The bench model's KV (loadtest/models.py) in Baton's block size; fp32 on CPU.
+BENCH, BLOCK_SIZE, BLOCKS = shape("bench"), BatonConfig().block_size, 512
+LAYERS, KV_HEADS, HEAD_DIM = BENCH.num_hidden_layers, BENCH.num_key_value_heads, BENCH.head_dim
 SHAPE = (LAYERS, 2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+BLOCK_BYTES = kv_block_bytes("bench", BLOCK_SIZE, 4)
 OUT = REPO_ROOT / "loadtest" / "results" / "handoff_bench.json"
 WARMUP = 10
 CASES = (
@@ -329,24 +332,17 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    prompts = sorted({r["tokens"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4))
-    for ax, tokens in zip(list(getattr(axes, "flat", [axes])), prompts, strict=True):
+    panels = []
+    for tokens in sorted({r["tokens"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["tokens"] == tokens]
-        labels = [f"{r['transport']}\n{r['layout']}" for r in rows]
-        bars = ax.bar(labels, [r["handoff_us"] for r in rows], color="#4c72b0")
-        ax.bar_label(bars, labels=[f"{r['gb_per_s']:.1f} GB/s" for r in rows], fontsize=8)
-        ax.set_title(f"{tokens}-token prompt ({rows[0]['bytes'] >> 10} KiB of KV)")
-        ax.set_ylabel("µs per handoff, log scale (lower is better)")
-        ax.set_yscale("log")
-    fig.suptitle("KV handoff, two processes, bench-model KV (fp32)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        panels.append(Panel(
+            f"{tokens}-token prompt ({rows[0]['bytes'] >> 10} KiB of KV)",
+            [f"{r['transport']}\n{r['layout']}" for r in rows],
+            {"handoff": [r["handoff_us"] for r in rows]},
+            [f"{r['gb_per_s']:.1f} GB/s" for r in rows],
+        ))  # fmt: skip
+    grouped_bars(path, panels, ylabel="µs per handoff, log scale (lower is better)", log=True,
+                 title="KV handoff, two processes, bench-model KV (fp32)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,15 +1,16 @@
 """What the host tier of the KV cache costs a decode step (shared/runtime/kv_tiers.py).
 
-    python -m loadtest.host_tier_bench --device cuda --out out/host_tier.json
+    python -m loadtest host-tier --device cuda --out out/host_tier.json
 
-A random Llama-shaped model (``--layers``, ``--hidden``...; random weights: the step's cost does
-not depend on them) in bf16 on the device, ``--batch`` sequences of ``--context`` tokens
-prefilled, then ``--steps`` decode steps timed, once per host fraction: the share of the batch's
-KV blocks that live in the host tier (the device pool holds the rest; each step stages the host
-blocks it reads into the device pool and writes the extended ones back). Beside it, the
-roofline of the staging: one pinned host-to-device copy of the same bytes. Prints a table and
-writes JSON. A benchmark, not a test: it asserts nothing about speed. On CPU it runs too (small
-sizes, fp32) so that it can be tried anywhere; the figures mean something on a GPU only.
+A preset's model (``--preset``, default ``qwen2-0.5b``: Qwen2-0.5B's layer shapes; random weights:
+the step's cost does not depend on them; loadtest/models.py) in bf16 on the device, ``--batch``
+sequences of ``--context`` tokens prefilled, then ``--steps`` decode steps timed, once per host
+fraction: the share of the batch's KV blocks that live in the host tier (the device pool holds the
+rest; each step stages the host blocks it reads into the device pool and writes the extended ones
+back). Beside it, the roofline of the staging: one pinned host-to-device copy of the same bytes.
+Prints a table and writes JSON. A benchmark, not a test: it asserts nothing about speed. On CPU it
+runs too (small sizes, fp32) so that it can be tried anywhere; the figures mean something on a GPU
+only.
 """
 
 from __future__ import annotations
@@ -18,37 +19,16 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loadtest.models import kv_block_bytes, preset_model
 from shared.config import BatonConfig
 from shared.runtime import BlockManager, SamplingParams, Sequence
 from shared.runtime.model_runner import ModelRunner
-
-
-def build_model(out: Path, args: argparse.Namespace) -> Path:
-    """A random Llama of the given shape, saved as a Hugging Face directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // args.head_dim,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.context + args.steps + 64,  # >= seq_blocks * 16
-        tie_word_embeddings=False,
-    )
-    with torch.device(args.device):
-        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
-    model.save_pretrained(out)
-    return out
 
 
 def sync(device: torch.device) -> None:
@@ -72,8 +52,7 @@ def run_point(model_dir: Path, args: argparse.Namespace, host_fraction: float) -
         max_model_len=seq_blocks * bs,  # so that staging is exactly seq_blocks
         enable_prefix_caching=False,
     )
-    itemsize = getattr(torch, args.dtype).itemsize
-    block_bytes = args.layers * 2 * bs * args.kv_heads * args.head_dim * itemsize
+    block_bytes = kv_block_bytes(args.preset, bs, getattr(torch, args.dtype).itemsize)
     runner = ModelRunner(config, kv_host_cache_bytes=num_host * block_bytes)
     assert runner.block_bytes == block_bytes
     device = runner.device
@@ -148,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--preset", default="qwen2-0.5b", help="the model's shape")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=24)
@@ -163,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "out"}}
-    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        model_dir = build_model(Path(tmp) / "model", args)
+    model_dir = preset_model(args.preset)
+    with torch.inference_mode():
         points = [run_point(model_dir, args, f) for f in args.host_fractions]
     base = points[0]["step_ms"]
     for p in points:

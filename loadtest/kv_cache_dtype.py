@@ -1,7 +1,8 @@
 """int8 KV caches against the exact one: bytes per token, greedy agreement, decode speed.
 
-    python -m loadtest.kv_cache_dtype                       # every built-in arch + the bench model
-    python -m loadtest.kv_cache_dtype --fp-window 128 --long-tokens 500 --models bench-llama
+    python -m loadtest kv-dtype                       # every built-in arch + the bench model
+    python -m loadtest kv-dtype --fp-window 128 --long-tokens 500 --models bench
+    python -m loadtest kv-dtype --models qwen2-0.5b-qwen2 --prompts 4    # a real size
 
 For each model, the same greedy prompts run on a ModelRunner with ``kv_cache_dtype=auto`` (fp32,
 the parity contract), with ``int8`` whole (``BATON_KV_FP_WINDOW=0``) and with int8 beside a
@@ -19,7 +20,7 @@ full-precision slots the block manager holds for it), next-token agreement with 
 fed fp32's token, so one difference does not derail the rest: the per-step effect of rounding)
 on both workloads, identical tokens of the free-running long generations, and decode tokens/s
 of the long workload's batch (one thread). End to end: ``BATON_KV_CACHE_DTYPE=int8 python -m
-loadtest.bench --spawn``; long prompts: ``python -m loadtest.longctx``.
+loadtest bench --spawn``; long prompts: ``python -m loadtest longctx``.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ from typing import Any
 
 import torch
 
-from shared.config import REPO_ROOT, BatonConfig
-from shared.models.tiny.builder import ARCHS, ensure_tiny_model, model_dir_name
+from loadtest.models import arch_of, preset_model
+from shared.config import BatonConfig
+from shared.models.tiny.builder import ARCHS, model_dir_name
 from shared.runtime.block_manager import BlockManager
 from shared.runtime.model_runner import ModelRunner
 from shared.runtime.sequence import Sequence
 from shared.wire.sampling import SamplingParams
 
 MODELS = [("tiny", arch) for arch in ARCHS] + [("bench", "llama")]
+REAL_SIZE = [("qwen2-0.5b", arch_of("qwen2-0.5b"))]  # only when --models names it
 # (prompt tokens, generated tokens) of tests/test_parity.py's cases.
 PARITY_SHAPES = [
     (1, 24), (7, 16), (16, 16), (16, 8), (40, 16), (70, 24), (64, 64), (129, 12), (300, 20),
@@ -133,9 +136,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def compare(
     preset: str, arch: str, caches: list[Cache], num_prompts: int, long_tokens: int, seed: int
 ) -> list[dict[str, Any]]:
-    model_dir = ensure_tiny_model(
-        REPO_ROOT / "models" / model_dir_name(preset, arch), preset=preset, arch=arch
-    )
+    model_dir = preset_model(preset, arch)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(seed)
     parity = [[rng.randrange(3, vocab) for _ in range(n)] for n, _ in PARITY_SHAPES]
@@ -172,7 +173,11 @@ def main() -> None:
     p.add_argument(
         "--fp-window", type=int, default=128, help="BATON_KV_FP_WINDOW of the window run"
     )
-    p.add_argument("--models", default=None, help="comma-separated, e.g. tiny,bench (default all)")
+    p.add_argument(
+        "--models", default=None,
+        help="comma-separated models/ names, e.g. tiny,bench,qwen2-0.5b-qwen2 (default: all but "
+        "the real size)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-json", default=None)
@@ -188,7 +193,7 @@ def main() -> None:
     header = f"{'model':<14}{'cache':<13}{'B/tok@4k':>9}{'next(parity)':>14}{'next(long)':>12}"
     header += f"{'same(long)':>12}{'tok/s':>9}"
     print(header)
-    for preset, arch in MODELS:
+    for preset, arch in MODELS if wanted is None else MODELS + REAL_SIZE:
         if wanted is not None and model_dir_name(preset, arch) not in wanted:
             continue
         for r in compare(preset, arch, caches, args.prompts, args.long_tokens, args.seed):

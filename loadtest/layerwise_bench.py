@@ -1,15 +1,16 @@
 """Layer-wise against whole-request KV handoff over Mooncake (TCP): TTFT and the gap from the end
 of prefill to decode's first step, for long prompts.
 
-    python -m loadtest.layerwise_bench                        # 2k and 8k prompts, 3 rounds each
-    python -m loadtest.layerwise_bench --lengths 8192 --rounds 5
+    python -m loadtest layerwise                        # 2k and 8k prompts, 3 rounds each
+    python -m loadtest layerwise --lengths 8192 --rounds 5
+    python -m loadtest layerwise --preset qwen2-0.5b --lengths 2048    # a real size
 
-Prefill runs in this process and decode in a child process, each on its own core where the
-machine has two, each with its own Mooncake transfer engine (``BATON_KV_TRANSPORT=mooncake``,
-TCP on 127.0.0.1: two nodes' worth of protocol on one machine). The production engines
-(``shared.engine.build``) on the bench shape with long positions (``bench-long``); handoffs cross
-as their wire messages (``HandoffMsg``, ``KVReleaseMsg``) through a pipe instead of the broker,
-whose hop (~1.5 ms) is the same either way. One request at a time, each generating 4 tokens:
+Prefill runs in this process and decode in a child process, each on its own core where the machine
+has two, each with its own Mooncake transfer engine (``BATON_KV_TRANSPORT=mooncake``, TCP on
+127.0.0.1: two nodes' worth of protocol on one machine). The production engines
+(``shared.engine.build``) on the bench shape with long positions (``--preset bench-long``); handoffs
+cross as their wire messages (``HandoffMsg``, ``KVReleaseMsg``) through a pipe instead of the
+broker, whose hop (~1.5 ms) is the same either way. One request at a time, each generating 4 tokens:
 
 - TTFT: arrival at prefill to its first token (the end of its last chunk's forward);
 - gap: the end of that forward to the start of decode's first forward of the request (its KV
@@ -37,10 +38,10 @@ from typing import Any
 
 import torch
 
+from loadtest.models import preset_model
 from shared.config import REPO_ROOT, BatonConfig
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.outputs import NewRequest
-from shared.models.tiny.builder import ensure_tiny_model
 from shared.wire.messages import HandoffMsg, KVRelease, KVReleaseMsg
 from shared.wire.sampling import SamplingParams
 
@@ -189,10 +190,11 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,8192")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="bench-long", help="the model's shape (loadtest/models.py)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    model = ensure_tiny_model(REPO_ROOT / "models" / "bench-long", preset="bench-long")
+    model = preset_model(args.preset)
     print(f"{'prompt':>8}{'handoff':>12}{'TTFT s':>9}{'gap ms':>9}{'pulled MiB':>12}")
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):

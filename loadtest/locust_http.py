@@ -30,33 +30,24 @@ import os
 import time
 from typing import Any
 
-import numpy as np
 import requests
-from locust import User, constant, task
+from locust import task
 
-import loadtest.locustfile  # noqa: F401  (registers the exact-percentile report on test stop)
-from loadtest.workload import LoadMix, random_token_ids, read_vocab
-from shared.config import BatonConfig
+from loadtest.locustfile import LoadUser  # (and the exact-percentile report on test stop)
 
 
 class GatewayError(Exception):
     """An HTTP error, an error event, a broken stream or a timeout, as a Locust failure."""
 
 
-class OpenAIHttpUser(User):
-    wait_time = constant(float(os.environ.get("BATON_LOCUST_WAIT_S", "0")))
+class OpenAIHttpUser(LoadUser):
     host = os.environ.get("BATON_GATEWAY_URL", "http://127.0.0.1:8000")
 
     def on_start(self) -> None:
-        env = os.environ
-        self.mix = LoadMix.from_env(env)
-        self.timeout_s = float(env.get("BATON_LOCUST_TIMEOUT_S", "120"))
-        self.vocab_size, self.special = read_vocab(BatonConfig.from_env().model_dir)
-        seed = int(env.get("BATON_LOCUST_SEED", "0"))
-        self.rng = np.random.default_rng([seed, id(self) & 0xFFFFFFFF])
+        super().on_start()
         self.session = requests.Session()
         self.session.trust_env = False  # an HTTP(S)_PROXY must not capture a local gateway
-        if key := env.get("BATON_API_KEY"):
+        if key := os.environ.get("BATON_API_KEY"):
             self.session.headers["Authorization"] = f"Bearer {key}"
         base = (self.host or "").rstrip("/")
         self.url = base + "/v1/completions"
@@ -69,9 +60,7 @@ class OpenAIHttpUser(User):
 
     @task
     def generate(self) -> None:
-        in_len, out_len, priority = self.mix.sample(self.rng)
-        name = f"prompt={in_len}"
-        prompt = random_token_ids(self.rng, in_len, self.vocab_size, self.special)
+        name, prompt, out_len, priority = self.draw()
         body = {
             "model": self.model, "prompt": list(prompt), "max_tokens": out_len,
             "temperature": 0, "ignore_eos": True, "priority": priority, "stream": True,
@@ -81,17 +70,9 @@ class OpenAIHttpUser(User):
         try:
             first_at, n_out, request_id = self._stream(body, sent_at)
         except (GatewayError, requests.RequestException) as exc:
-            ms = 1000 * (time.perf_counter() - sent_at)
-            self._fire("E2E", name, ms, exception=exc)
+            self.fail(name, sent_at, exc)
             return
-        e2e = time.perf_counter() - sent_at
-        ttft = (first_at or sent_at + e2e) - sent_at
-        tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
-        ctx = {"request_id": request_id, "ttft_s": ttft, "tpot_s": tpot, "n_out": n_out}
-        self._fire("TTFT", name, 1000 * ttft)
-        if tpot is not None:
-            self._fire("TPOT", name, 1000 * tpot)
-        self._fire("E2E", name, 1000 * e2e, n_out, context=ctx)
+        self.completed(name, request_id, sent_at, first_at, time.perf_counter(), n_out)
 
     def _stream(self, body: dict[str, Any], sent_at: float) -> tuple[float | None, int, str]:
         """Read one SSE response: (first text at, completion tokens, request id)."""
@@ -119,11 +100,6 @@ class OpenAIHttpUser(User):
                 if event.get("usage"):
                     n_out = int(event["usage"]["completion_tokens"])
         raise GatewayError("stream ended without [DONE]")
-
-    def _fire(self, kind: str, name: str, ms: float, length: int = 0, **kw: Any) -> None:
-        self.environment.events.request.fire(
-            request_type=kind, name=name, response_time=ms, response_length=length, **kw
-        )
 
 
 def _error_message(text: str) -> str:

@@ -33,7 +33,7 @@ import pika.exceptions
 from locust import User, constant, events, task
 from locust.env import Environment
 
-from loadtest.workload import LoadMix, Slo, Stat, random_token_ids, read_vocab
+from loadtest.workload import LoadMix, Slo, Stat, random_token_ids, read_vocab, tpot
 from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
 from shared.wire.messages import (
     DoneReply,
@@ -65,17 +65,54 @@ class _Exchange:
         self.bad_reply: str | None = None
 
 
-class BatonUser(User):
+class LoadUser(User):
+    """The workload and the events both users share: a prompt drawn from the BATON_LOCUST_* mix,
+    and per request TTFT, TPOT and E2E events (ms) named by prompt bucket."""
+
+    abstract = True
     wait_time = constant(float(os.environ.get("BATON_LOCUST_WAIT_S", "0")))
 
     def on_start(self) -> None:
         env = os.environ
-        self.url = env.get("BATON_AMQP_URL") or DEFAULT_AMQP_URL
         self.mix = LoadMix.from_env(env)
         self.timeout_s = float(env.get("BATON_LOCUST_TIMEOUT_S", "120"))
         self.vocab_size, self.special = read_vocab(BatonConfig.from_env().model_dir)
         seed = int(env.get("BATON_LOCUST_SEED", "0"))
         self.rng = np.random.default_rng([seed, id(self) & 0xFFFFFFFF])
+
+    def draw(self) -> tuple[str, tuple[int, ...], int, int]:
+        """(event name, prompt token ids, output tokens, priority) of the next request."""
+        in_len, out_len, priority = self.mix.sample(self.rng)
+        prompt = random_token_ids(self.rng, in_len, self.vocab_size, self.special)
+        return f"prompt={in_len}", prompt, out_len, priority
+
+    def fire(self, kind: str, name: str, ms: float, length: int = 0, **kw: Any) -> None:
+        self.environment.events.request.fire(
+            request_type=kind, name=name, response_time=ms, response_length=length, **kw
+        )
+
+    def fail(self, name: str, sent_at: float, exc: BaseException, request_id: str = "") -> None:
+        ms = 1000 * (time.perf_counter() - sent_at)
+        self.fire("E2E", name, ms, exception=exc, context={"request_id": request_id})
+
+    def completed(
+        self, name: str, request_id: str, sent_at: float, first_at: float | None, end_at: float,
+        n_out: int,
+    ) -> None:  # fmt: skip
+        e2e = end_at - sent_at
+        ttft = (first_at or end_at) - sent_at
+        per_token = tpot(ttft, e2e, n_out)
+        ctx = {"request_id": request_id, "ttft_s": ttft, "tpot_s": per_token, "n_out": n_out}
+        self.fire("TTFT", name, 1000 * ttft)
+        if per_token is not None:
+            self.fire("TPOT", name, 1000 * per_token)
+        self.fire("E2E", name, 1000 * e2e, n_out, context=ctx)
+
+
+class BatonUser(LoadUser):
+    def on_start(self) -> None:
+        super().on_start()
+        self.url = os.environ.get("BATON_AMQP_URL") or DEFAULT_AMQP_URL
         self.current: _Exchange | None = None
         self.connection = pika.BlockingConnection(pika.URLParameters(self.url))
         self.channel = self.connection.channel()
@@ -107,13 +144,12 @@ class BatonUser(User):
 
     @task
     def generate(self) -> None:
-        in_len, out_len, priority = self.mix.sample(self.rng)
-        name = f"prompt={in_len}"
+        name, prompt, out_len, priority = self.draw()
         ex = self.current = _Exchange(uuid.uuid4().hex)
         body = RequestMsg(
             request_id=ex.request_id,
             sampling=SamplingParams(max_tokens=out_len, ignore_eos=True),
-            prompt_token_ids=random_token_ids(self.rng, in_len, self.vocab_size, self.special),
+            prompt_token_ids=prompt,
             priority=priority,
         ).encode()
         props = pika.BasicProperties(
@@ -132,39 +168,21 @@ class BatonUser(User):
             if ex.bad_reply is not None:
                 raise BatonError(f"undecodable reply: {ex.bad_reply}")
         except pika.exceptions.UnroutableError:
-            self._fail(name, ex, BatonError(f"no queue {REQUESTS_QUEUE!r}: is Baton running?"))
+            no_queue = BatonError(f"no queue {REQUESTS_QUEUE!r}: is Baton running?")
+            self.fail(name, ex.sent_at, no_queue, ex.request_id)
             return
         except BatonError as exc:
-            self._fail(name, ex, exc)
+            self.fail(name, ex.sent_at, exc, ex.request_id)
             return
         finally:
             self.current = None
-        if isinstance(ex.terminal, ErrorReply):
-            self._fail(name, ex, BatonError(f"{ex.terminal.code}: {ex.terminal.message}"))
-            return
-        self._report(name, ex)
-
-    def _fire(self, kind: str, name: str, ms: float, length: int = 0, **kw: Any) -> None:
-        self.environment.events.request.fire(
-            request_type=kind, name=name, response_time=ms, response_length=length, **kw
-        )
-
-    def _fail(self, name: str, ex: _Exchange, exc: BaseException) -> None:
-        ms = 1000 * (time.perf_counter() - ex.sent_at)
-        self._fire("E2E", name, ms, exception=exc, context={"request_id": ex.request_id})
-
-    def _report(self, name: str, ex: _Exchange) -> None:
         done = ex.terminal
-        assert isinstance(done, DoneReply)
+        if not isinstance(done, DoneReply):
+            error = BatonError(f"{done.code}: {done.message}") if done else BatonError("no reply")
+            self.fail(name, ex.sent_at, error, ex.request_id)
+            return
         n_out = int(done.usage.get("completion_tokens", len(done.token_ids)))
-        e2e = ex.terminal_at - ex.sent_at
-        ttft = (ex.first_token_at or ex.terminal_at) - ex.sent_at
-        tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
-        ctx = {"request_id": ex.request_id, "ttft_s": ttft, "tpot_s": tpot, "n_out": n_out}
-        self._fire("TTFT", name, 1000 * ttft)
-        if tpot is not None:
-            self._fire("TPOT", name, 1000 * tpot)
-        self._fire("E2E", name, 1000 * e2e, n_out, context=ctx)
+        self.completed(name, ex.request_id, ex.sent_at, ex.first_token_at, ex.terminal_at, n_out)
 
 
 # --- exact percentiles on test stop ----------------------------------------------------------

@@ -1,12 +1,13 @@
 """Long prompts at the bench shape: memory per request, TTFT and TPOT with an exact, an int8 and
 a sliding-window KV cache.
 
-    python -m loadtest.longctx                          # 2k and 8k prompts, 4 requests each
-    python -m loadtest.longctx --lengths 2048 --requests 8 --output-len 64
+    python -m loadtest longctx                          # 2k and 8k prompts, 4 requests each
+    python -m loadtest longctx --lengths 2048 --requests 8 --output-len 64
+    python -m loadtest longctx --preset qwen2-0.5b --lengths 2048    # a real size (4k positions)
 
 The production engines (``shared.engine.build``: prefill and decode, each its own ModelRunner
 and cache, the spill store between them) run in this process on the bench shape with room for
-long positions (``bench-long``: hidden 256, 4 layers, 8 query and 4 KV heads of 32), one torch
+long positions (``--preset bench-long``; shapes in loadtest/models.py), one torch
 thread each, as the services would (the broker hops, a few ms, are left out: long prompts are
 seconds of prefill). Per cache and prompt length, ``--requests`` prompts of that length arrive
 at once and each generates ``--output-len`` tokens:
@@ -14,7 +15,8 @@ at once and each generates ``--output-len`` tokens:
 - ``exact``: fp32 KV (the parity contract);
 - ``int8``: int8 KV with the last ``--fp-window`` tokens also in fp32 (``BATON_KV_CACHE_DTYPE=
   int8``, ``BATON_KV_FP_WINDOW``; shared/runtime/fp_window.py);
-- ``window``: a Mistral model of the same shape with a ``--window``-token sliding window, fp32
+- ``window``: a model of the same shape with a ``--window``-token sliding window (Mistral's
+  layout for a llama preset, every layer; Qwen2's for qwen2-0.5b, its upper layers), fp32
   (blocks outside the window released in both engines, never handed off).
 
 Printed: decode's KV memory per request (the most blocks and slots it held at once over the
@@ -38,34 +40,28 @@ from typing import Any
 
 import torch
 
+from loadtest.models import arch_of, preset_model
+from loadtest.plots import Panel, grouped_bars
 from shared.config import REPO_ROOT, BatonConfig
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.outputs import NewRequest
-from shared.models.tiny.builder import ensure_tiny_model, model_dir_name
 from shared.wire.sampling import SamplingParams
 
 RESULTS = REPO_ROOT / "loadtest" / "results"
-PRESET = "bench-long"
 
 
 @dataclasses.dataclass(frozen=True)
 class Cache:
     name: str
+    preset: str
     arch: str
     window: int | None = None  # the model's sliding window
     kv_cache_dtype: str = "auto"
     fp_window: int = 0
 
 
-def model_dir(cache: Cache) -> Path:
-    name = model_dir_name(PRESET, cache.arch, cache.window)
-    return ensure_tiny_model(
-        REPO_ROOT / "models" / name, preset=PRESET, arch=cache.arch, window=cache.window
-    )
-
-
 def run(cache: Cache, length: int, requests: int, output_len: int, seed: int) -> dict[str, Any]:
-    path = model_dir(cache)
+    path = preset_model(cache.preset, cache.arch, cache.window)
     with tempfile.TemporaryDirectory(prefix="baton-longctx-") as spill:
         common = dict(
             model=str(path),
@@ -128,33 +124,17 @@ def run(cache: Cache, length: int, requests: int, output_len: int, seed: int) ->
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = [
-        ("kv_mib_per_request", "decode KV per request (MiB)"),
-        ("ttft_s_median", "TTFT median (s)"),
-        ("tpot_ms_median", "TPOT median (ms)"),
-    ]
     lengths = sorted({r["prompt_len"] for r in rows})
     caches = list(dict.fromkeys(r["cache"] for r in rows))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4))
-    width = 0.8 / len(caches)
-    for ax, (key, title) in zip(axes, metrics, strict=True):
-        for j, cache in enumerate(caches):
-            values = [
-                next((r[key] for r in rows if r["cache"] == cache and r["prompt_len"] == n), 0)
-                for n in lengths
-            ]
-            ax.bar([i + j * width for i in range(len(lengths))], values, width, label=cache)
-        ax.set_xticks([i + width * (len(caches) - 1) / 2 for i in range(len(lengths))])
-        ax.set_xticklabels([f"{n} tokens" for n in lengths])
-        ax.set_title(title)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    by = {(r["cache"], r["prompt_len"]): r for r in rows}
+    panels = [
+        Panel(title, [f"{n} tokens" for n in lengths],
+              {c: [by[c, n][key] if (c, n) in by else 0 for n in lengths] for c in caches})
+        for key, title in (("kv_mib_per_request", "decode KV per request (MiB)"),
+                           ("ttft_s_median", "TTFT median (s)"),
+                           ("tpot_ms_median", "TPOT median (ms)"))
+    ]  # fmt: skip
+    grouped_bars(path, panels)
 
 
 def main() -> None:
@@ -165,13 +145,22 @@ def main() -> None:
     p.add_argument("--fp-window", type=int, default=128)
     p.add_argument("--window", type=int, default=1024, help="the windowed model's window")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="bench-long", help="the model's shape (loadtest/models.py)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(1)
+    arch = arch_of(args.preset)
+    windowed = "mistral" if arch == "llama" else arch
     caches = [
-        Cache("exact", "llama"),
-        Cache(f"int8+fp{args.fp_window}", "llama", kv_cache_dtype="int8", fp_window=args.fp_window),
-        Cache(f"window{args.window}", "mistral", window=args.window),
+        Cache("exact", args.preset, arch),
+        Cache(
+            f"int8+fp{args.fp_window}",
+            args.preset,
+            arch,
+            kv_cache_dtype="int8",
+            fp_window=args.fp_window,
+        ),  # fmt: skip
+        Cache(f"window{args.window}", args.preset, windowed, window=args.window),
     ]
     header = f"{'cache':<14}{'prompt':>8}{'KV MiB/req':>12}{'TTFT s':>9}{'TPOT ms':>9}"
     print(header + f"{'handoff MiB':>13}")

@@ -1,7 +1,7 @@
 """A mixed workload: short requests streaming while ~1.5k-token prompts arrive in a burst.
 
-    python -m loadtest.bench --spawn --mixed              # bench model, both configurations
-    python -m loadtest.bench --spawn --mixed --mixed-rate 6 --requests 60
+    python -m loadtest bench --spawn --mixed              # bench model, both configurations
+    python -m loadtest bench --spawn --mixed --mixed-rate 6 --requests 60
 
 Per configuration Baton is spawned once and serves two phases, the same short requests in each
 (64-token prompts, 64 output tokens, Poisson arrivals): **steady**, shorts only; **burst**, the
@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loadtest.plots import Panel, grouped_bars
 from loadtest.serving import finite, run_load, say, spawned_baton, warm_up
 from loadtest.workload import RequestResult, RequestSpec, make_workload, percentile
 from services.shell.cpus import split_engine_cpus
@@ -158,24 +159,13 @@ def format_mixed(report: dict[str, Any]) -> str:
 
 
 def plot_mixed(path: Path, report: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = list(report["configs"])
-    for ax, key, title in ((axes[0], "ttft_p99", "short-request TTFT p99"),
-                           (axes[1], "tpot_p99", "short-request TPOT p99")):  # fmt: skip
-        for j, phase in enumerate(("steady", "burst")):
-            values = [1000 * report["configs"][n][phase][key] for n in names]
-            xs = [i + 0.38 * j for i in range(len(names))]
-            bars = ax.bar(xs, values, width=0.36, label=phase)
-            ax.bar_label(bars, fmt="%.0f" if key == "ttft_p99" else "%.1f")
-        ax.set_xticks([i + 0.19 for i in range(len(names))], names)
-        ax.set(ylabel="ms", title=title)
-        ax.legend()
-    fig.suptitle(f"Mixed workload ({report['rate']:g} short req/s, 10% ~1.5k-token prompts)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = [
+        Panel(title, names,
+              {phase: [1000 * report["configs"][n][phase][key] for n in names]
+               for phase in ("steady", "burst")}, fmt)
+        for key, title, fmt in (("ttft_p99", "short-request TTFT p99", "%.0f"),
+                                ("tpot_p99", "short-request TPOT p99", "%.1f"))
+    ]  # fmt: skip
+    title = f"Mixed workload ({report['rate']:g} short req/s, 10% ~1.5k-token prompts)"
+    grouped_bars(path, panels, ylabel="ms", title=title)

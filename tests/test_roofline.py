@@ -6,6 +6,8 @@ import pytest
 
 from loadtest import phase_cpu, roofline
 from loadtest.bench_args import SHAPES, parse_args
+from loadtest.models import arch_of
+from shared.models.tiny.builder import PRESETS
 
 # A toy config small enough to check by hand.
 TOY = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -118,8 +120,8 @@ def test_model_shape_presets_fill_only_what_is_not_given() -> None:
     assert (a.num_requests, a.input_len, a.output_len, a.dtype) == (64, 256, 64, "bfloat16")
     a = parse_args([])
     assert (a.num_requests, a.input_len, a.output_len) == (64, 128, 64)
-    assert SHAPES["bench"].cache_dir.endswith("models/bench-llama")  # the bench's old cache
-    assert SHAPES["qwen2-0.5b"].cache_dir.endswith("models/qwen2-0.5b-qwen2")
+    assert {s.preset for s in SHAPES.values()} <= set(PRESETS)  # shapes are the builder's
+    assert arch_of(SHAPES["qwen2-0.5b"].preset) == "qwen2"
 
 
 def test_best_of_two_probes_keeps_the_faster_figures() -> None:

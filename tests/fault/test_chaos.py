@@ -3,7 +3,7 @@ client library, no dedup) with 64 streams, and 20 SIGKILLs of random processes a
 moments, each restarted. Every request gets exactly one terminal reply, a ``done`` whose tokens
 equal the undisturbed run's; no token position is repeated, missing or out of order; no KV block
 or spill entry is left. Seeded (``BATON_CHAOS_SEED``): a failure names its seed and replays
-with ``python -m loadtest.chaos --minutes 0.75 --kills 20 --max-tokens 120 --requests 64
+with ``python -m loadtest chaos --minutes 0.75 --kills 20 --max-tokens 120 --requests 64
 --seed <seed>``. The 10-minute run is the same module (loadtest/chaos.py).
 """
 

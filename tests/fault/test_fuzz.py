@@ -1,8 +1,8 @@
-"""The bad-input fuzz (``loadtest/fuzz.py``) in CI: a fixed seed, 150 client cases and every
+"""The bad-input fuzz (``loadtest/fuzz``) in CI: a fixed seed, 150 client cases and every
 internal-queue case against the services as separate processes, with zero violations — each
 case answered once, with a contract error or a well-formed completion, or dead-lettered with a
 log line, and a known-good request served after every batch. ``-s`` shows the outcome table.
-The full run is ``python -m loadtest.fuzz --cases 1000`` (README, "Fuzzing")."""
+The full run is ``python -m loadtest fuzz --cases 1000`` (README, "Fuzzing")."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 manager's slots (taken with the window's blocks, released block by block as they age), the C
 and torch decode paths against an fp64 reference, and the engines: within the window int8
 computes exactly what fp32 does (chunked prefill, handoffs over both CPU transports). The
-agreement figures beyond the window: python -m loadtest.kv_cache_dtype."""
+agreement figures beyond the window: python -m loadtest kv-dtype."""
 
 from __future__ import annotations
 

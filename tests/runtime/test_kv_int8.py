@@ -3,7 +3,7 @@ attention over them against float attention over the same dequantised values, th
 a prefill/decode pair over each CPU transport, and a refused handoff between unlike caches.
 
 The exact contract stays fp32 (``auto``); int8 reports agreement (``python -m
-loadtest.kv_cache_dtype``), and here only a loose floor guards against a broken path.
+loadtest kv-dtype``), and here only a loose floor guards against a broken path.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any
 import aio_pika
 import msgpack
 
-from loadtest.fuzz_client import ClientFuzzer, dead_count
+from loadtest.fuzz.client import ClientFuzzer, dead_count
 from shared.config import BatonConfig
 from shared.wire import queues
 from shared.wire.messages import (

@@ -22,7 +22,7 @@ import msgpack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from loadtest.fuzz_strategies import Bounds, Draft, drafts
+from loadtest.fuzz.strategies import Bounds, Draft, drafts
 from shared.config import BatonConfig
 from shared.wire.errors import ProtocolError
 from shared.wire.messages import RequestMsg

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.fuzz_cases import Case
+from loadtest.fuzz.cases import Case
 from shared.wire.errors import ErrorCode
 
 ERROR_CODES = frozenset(c.value for c in ErrorCode)

@@ -1,7 +1,7 @@
-"""Hypothesis strategies for the request fuzz (``loadtest/fuzz.py``): drafts of client cases.
+"""Hypothesis strategies for the request fuzz (``loadtest/fuzz``): drafts of client cases.
 
 A :class:`Draft` is everything about a case except its request id, which the case's index fixes
-later (``fuzz_cases.materialize``), so ids are unique whatever Hypothesis generates. The field
+later (``cases.materialize``), so ids are unique whatever Hypothesis generates. The field
 strategies come in pairs, valid and invalid, bounded by the system's limits (:class:`Bounds`).
 Valid ``max_tokens`` stays small on purpose: a thousand cases must run in minutes on two cores,
 and a large valid value costs time without finding anything a small one does not.

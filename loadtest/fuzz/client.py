@@ -1,5 +1,5 @@
 """Client cases against a live Baton: publish with bounded concurrency, collect every reply,
-check each case (``fuzz_checks``), and after each batch check the dead-letter queue and that a
+check each case (``checks``), and after each batch check the dead-letter queue and that a
 known-good request is still served.
 
 Replies are collected on raw aio-pika, not ``shared.client``: the client library deduplicates
@@ -20,8 +20,8 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from loadtest.fuzz_cases import Case
-from loadtest.fuzz_checks import check_case, outcome
+from loadtest.fuzz.cases import Case
+from loadtest.fuzz.checks import check_case, outcome
 from shared.wire.errors import ProtocolError
 from shared.wire.messages import unpack
 from shared.wire.queues import DEAD_LETTER_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE
