@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.native.mkl_pack import PackedWeight
+from shared.native.onednn_pack import OneDnnWeight
 from shared.runtime.attention import AttentionMetadata, attention
 from shared.runtime.cpu_rope import RopeKernel
 from shared.runtime.model_config import ModelConfig
@@ -56,19 +57,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + swapped * sin
 
 
-# Rows from which a packed weight beats MKL's GEMV on the plain one (linear_layout.py).
-PACKED_MIN_ROWS = 4
+# Rows from which MKL's packed weight beats its GEMV on the plain one (linear_layout.py).
+PACKED_MIN_ROWS = PackedWeight.min_rows
 
 
 class Projection(nn.Linear):
-    """``nn.Linear`` whose weight may also be held packed for MKL (linear_layout.py):
-    :meth:`project` is ``F.linear`` either way, up to the last bits."""
+    """``nn.Linear`` whose weight may also be held packed, for MKL or oneDNN (linear_layout.py):
+    :meth:`project` takes the packed form for the row counts it serves, ``F.linear`` for the
+    rest; the same products either way, up to the last bits."""
 
-    packed: PackedWeight | None = None
+    packed: PackedWeight | OneDnnWeight | None = None
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS:
-            return self.packed.linear(x, self.bias)
+        packed = self.packed
+        if packed is not None and x.dim() == 2 and packed.min_rows <= x.shape[0] <= packed.max_rows:
+            return packed.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

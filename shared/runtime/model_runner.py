@@ -116,7 +116,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
             num_packed = prepare_projections(self.model)
-            log.info("projections transposed", packed_for_mkl=num_packed)
+            log.info("projections transposed", packed=num_packed)
             if c_kernels and self.dtype == torch.float32:
                 self.model.use_rope_kernel(load_rope())
         shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
