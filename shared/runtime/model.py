@@ -21,6 +21,7 @@ from torch import nn
 from shared.native.mkl_pack import PackedWeight
 from shared.native.onednn_pack import OneDnnWeight
 from shared.runtime.attention import AttentionMetadata, attention
+from shared.runtime.cpu_bf16_ops import Bf16Kernels
 from shared.runtime.cpu_rope import RopeKernel
 from shared.runtime.model_config import ModelConfig
 
@@ -86,8 +87,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    # RoPE in place through C (cpu_rope.py, bit-identical to apply_rope); set by the runner on CPU.
-    rope_kernel: RopeKernel | None = None
+    # RoPE in place through C, set by the runner on CPU: fp32 (cpu_rope.py, bit-identical to
+    # apply_rope) or bf16 (cpu_bf16_ops.py, one rounding).
+    rope_kernel: RopeKernel | Bf16Kernels | None = None
 
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
@@ -130,17 +132,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # bf16 SiLU * up through C (cpu_bf16_ops.py); set by the runner on CPU for bf16 models.
+    kernels: Bf16Kernels | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.project(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj.project(x)
+        if self.kernels is not None:
+            return self.down_proj.project(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.project(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    # bf16 RMSNorms (the second after the residual add) through C; see MLP.kernels.
+    kernels: Bf16Kernels | None = None
+
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -157,6 +168,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Residual adds in place: ``hidden`` is this forward's own activation buffer."""
+        k = self.kernels
+        if k is not None:
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            x = k.rms_norm(hidden, norm1.weight, norm1.eps)
+            x = k.add_rms_norm(hidden, self.self_attn.forward(x, cos, sin, kv_layer, meta),
+                               norm2.weight, norm2.eps)  # fmt: skip
+            hidden += self.mlp.forward(x)
+            return hidden
         x = self.input_layernorm.forward(hidden)
         hidden += self.self_attn.forward(x, cos, sin, kv_layer, meta)
         hidden += self.mlp.forward(self.post_attention_layernorm.forward(hidden))
@@ -198,6 +217,14 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.rope_kernel = kernel
+
+    def use_bf16_kernels(self, kernels: Bf16Kernels | None) -> None:
+        """A bf16 model's RMSNorms, SiLU * up and RoPE through ``kernels`` (cpu_bf16_ops.py)."""
+        for module in self.modules():
+            if isinstance(module, (DecoderLayer, MLP)):
+                module.kernels = kernels
+            elif isinstance(module, Attention):
+                module.rope_kernel = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the rows given (only the tokens that sample). Norm is row-wise, so
