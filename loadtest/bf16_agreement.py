@@ -47,7 +47,7 @@ def engine_greedy(runner: ModelRunner, prompts: list[list[int]], tokens: int) ->
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[int, float]:
     def prefix(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
 
     same = sum(g == w for g, w in zip(got, want, strict=True))
     share = sum(prefix(g, w) for g, w in zip(got, want, strict=True)) / sum(map(len, want))

@@ -8,7 +8,8 @@ The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as t
 pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
 whole batch until the context reaches ``context`` tokens; the median step over the last half is
 reported. Floors beside them: decode = weight bytes / memory bandwidth (a 1 GB ``sum`` probe),
-prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype).
+prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype, on the
+run's threads); the bandwidth probe runs on every usable core, the machine's floor.
 A benchmark: it prints figures and asserts nothing.
 """
 
@@ -20,6 +21,7 @@ import time
 
 from shared.config import BatonConfig
 from shared.native import mkl_dispatch
+from shared.native.build import usable_cpus
 
 if __name__ == "__main__":  # the engine's MKL kernels, as the services choose them
     mkl_dispatch.ensure(BatonConfig.from_env().mkl_dispatch)
@@ -31,9 +33,13 @@ from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  
 
 
 def bandwidth_gbs() -> float:
+    """The machine's: a 1 GiB ``sum`` on every usable core (one core does not saturate it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cpus())
     x = torch.ones(2**28)  # 1 GiB fp32
     x.sum()
     best = min(_timed(x.sum) for _ in range(5))
+    torch.set_num_threads(threads)
     return x.numel() * 4 / best / 1e9
 
 

@@ -4,14 +4,20 @@ start-up, into the blocked layout of oneDNN's kernel (AMX tiles for bf16 where t
 These are the ops torch inductor's weight freezing emits (``mkldnn._reorder_linear_weight`` then
 ``mkldnn._linear_pointwise``). Measured on a 2-core Xeon with AMX (2026-12-05), the four
 projections of all 24 layers of the qwen2-0.5b bench shape, weights cold, ms per decode step
-(``F.linear`` on the plain / transposed weight; MKL packed; oneDNN packed):
+(``F.linear`` on the plain or transposed weight; MKL packed; oneDNN packed):
 
-| dtype, threads | 1 row | 4 | 8 | 16 | 32 | 48 | 64 | 2,048 (per layer) |
-|---|---|---|---|---|---|---|---|---|
-| bf16, 1 | 72 / 110 / - / **51** | 76 / 104 / - / **57** | | 78 / 100 / - / **58** | | | 115 / 125 / - / **86** | 78 / 69 / - / 70 |
-| bf16, 2 | 46 / 62 / - / **31** | | | 44 / 51 / - / **32** | | | 68 / 69 / - / **45** | |
-| fp32, 1 | 94 / **88** / 93 / 100 | 190 / 165 / 175 / **105** | 262 / 202 / 216 / **121** | 245 / 250 / 260 / **161** | 306 / 292 / 307 / **233** | 380 / 332 / 302 / **286** | 431 / **292** / 304 / 346 | 384 / 385 / 379 / 382 |
-| fp32, 2 | | 107 / 82 / 97 / **55** | | 155 / 113 / 121 / **85** | | | 242 / 206 / 214 / **175** | |
+| ms per step (rows) | 1 | 4 | 8 | 16 | 32 | 48 | 64 |
+|---|---|---|---|---|---|---|---|
+| bf16 1T plain / transposed | 72 / 110 | 76 / 104 | | 78 / 100 | | | 115 / 125 |
+| bf16 1T oneDNN | **51** | **57** | | **58** | | | **86** |
+| bf16 2T plain / oneDNN | 46 / **31** | | | 44 / **32** | | | 68 / **45** |
+| fp32 1T transposed / MKL | **88**/93 | 165/175 | 202/216 | 250/260 | 292/307 | 332/302 | **292**/304 |
+| fp32 1T oneDNN | 100 | **105** | **121** | **161** | **233** | **286** | 346 |
+| fp32 2T transposed / MKL | | 82 / 97 | | 113 / 121 | | | 206 / 214 |
+| fp32 2T oneDNN | | **55** | | **85** | | | **175** |
+
+At 2,048 rows (prefill; per layer, one thread) all forms tie: bf16 plain 78, transposed 69,
+oneDNN 70 ms; fp32 379-385 ms.
 
 So bf16 takes the oneDNN form at every row count, fp32 from 4 to 48 rows (MKL's GEMV on the
 transposed weight wins at 1-3 rows, and at 64 rows one thread the transposed weight wins while

@@ -26,8 +26,11 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 def _rows(x: torch.Tensor) -> bool:
     """2-D bf16 CPU with contiguous rows (the row stride may be larger)."""
-    return x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and (
-        x.stride(1) == 1 or x.shape[1] <= 1
+    return (
+        x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (x.stride(1) == 1 or x.shape[1] <= 1)
     )
 
 

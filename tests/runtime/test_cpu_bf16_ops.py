@@ -69,7 +69,9 @@ def test_silu_mul_special_values(kernels: Bf16Kernels) -> None:
 
 
 @pytest.mark.parametrize(("num_heads", "head_dim"), [(16, 64), (3, 128), (5, 6)])
-def test_rope_within_a_rounding_of_fp32(kernels: Bf16Kernels, num_heads: int, head_dim: int) -> None:
+def test_rope_within_a_rounding_of_fp32(
+    kernels: Bf16Kernels, num_heads: int, head_dim: int
+) -> None:
     num_tokens = 37
     g = torch.Generator().manual_seed(head_dim)
     fused = (torch.randn(num_tokens, (num_heads + 2) * head_dim, generator=g) * 4).bfloat16()

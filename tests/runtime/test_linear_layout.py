@@ -1,6 +1,6 @@
-"""Projection weights on CPU (shared/runtime/linear_layout.py): transposed, packed for oneDNN or MKL where
-torch has it, and the packed form used from PACKED_MIN_ROWS rows; MKL's packed GEMM
-(shared/native/mkl_pack.py) against ``F.linear``."""
+"""Projection weights on CPU (shared/runtime/linear_layout.py): transposed, packed for oneDNN or
+MKL where torch has it, and each packed form used for its row counts; MKL's packed GEMM
+(shared/native/mkl_pack.py) and oneDNN's (shared/native/onednn_pack.py) against ``F.linear``."""
 
 from __future__ import annotations
 
@@ -116,10 +116,10 @@ def test_a_onednn_weight_computes_what_f_linear_does(
     x = torch.randn(rows, shape[1], generator=g).to(dtype)
     packed = onednn_pack.OneDnnWeight(w.t().contiguous().t())  # any layout in
     # fp32: another summation order; bf16: fp32 accumulation, one rounding of the output.
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     want = F.linear(x.float(), w.float(), bias.float())
-    torch.testing.assert_close(packed.linear(x, bias).float(), want, **tol)
-    torch.testing.assert_close(packed.linear(x).float(), want - bias.float(), **tol)
+    torch.testing.assert_close(packed.linear(x, bias).float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(packed.linear(x).float(), want - bias.float(), rtol=tol, atol=tol)
     with pytest.raises(ValueError):
         packed.linear(torch.randn(2, shape[1] + 1).to(dtype))
 
