@@ -8,15 +8,15 @@ projections of all 24 layers of the qwen2-0.5b bench shape, weights cold, ms per
 
 | ms per step (rows) | 1 | 4 | 8 | 16 | 32 | 48 | 64 |
 |---|---|---|---|---|---|---|---|
-| bf16 1T plain / transposed | 72 / 110 | 76 / 104 | | 78 / 100 | | | 115 / 125 |
+| bf16 1T plain / T | 72 / 110 | 76 / 104 | | 78 / 100 | | | 115 / 125 |
 | bf16 1T oneDNN | **51** | **57** | | **58** | | | **86** |
 | bf16 2T plain / oneDNN | 46 / **31** | | | 44 / **32** | | | 68 / **45** |
-| fp32 1T transp. / MKL | **88**/93 | 165/175 | 202/216 | 250/260 | 292/307 | 332/302 | **292**/304 |
+| fp32 1T T / MKL | **88**/93 | 165/175 | 202/216 | 250/260 | 292/307 | 332/302 | **292**/304 |
 | fp32 1T oneDNN | 100 | **105** | **121** | **161** | **233** | **286** | 346 |
-| fp32 2T transposed / MKL | | 82 / 97 | | 113 / 121 | | | 206 / 214 |
+| fp32 2T T / MKL | | 82 / 97 | | 113 / 121 | | | 206 / 214 |
 | fp32 2T oneDNN | | **55** | | **85** | | | **175** |
 
-At 2,048 rows (prefill; per layer, one thread) all forms tie: bf16 plain 78, transposed 69,
+(T: transposed.) At 2,048 rows (prefill; per layer, one thread) all forms tie: bf16 plain 78, transposed 69,
 oneDNN 70 ms; fp32 379-385 ms.
 
 So bf16 takes the oneDNN form at every row count, fp32 from 4 to 48 rows (MKL's GEMV on the
