@@ -16,8 +16,8 @@ projections of all 24 layers of the qwen2-0.5b bench shape, weights cold, ms per
 | fp32 2T T / MKL | | 82 / 97 | | 113 / 121 | | | 206 / 214 |
 | fp32 2T oneDNN | | **55** | | **85** | | | **175** |
 
-(T: transposed.) At 2,048 rows (prefill; per layer, one thread) all forms tie: bf16 plain 78, transposed 69,
-oneDNN 70 ms; fp32 379-385 ms.
+T: the transposed weight. At 2,048 rows (prefill; per layer, one thread) all forms tie: bf16
+plain 78, transposed 69, oneDNN 70 ms; fp32 379-385 ms.
 
 So bf16 takes the oneDNN form at every row count, fp32 from 4 to 48 rows (MKL's GEMV on the
 transposed weight wins at 1-3 rows, and at 64 rows one thread the transposed weight wins while
