@@ -1,8 +1,8 @@
 """The bf16 C kernels (shared/runtime/cpu_bf16_ops.py) against their torch references, swept
 over shapes: RMSNorm and the residual add round where transformers does (equal to torch up to one
 bf16 step from the fp32 sum order), SiLU * up and RoPE round once (within a bf16 step of the fp32
-value, where torch's op-by-op chain may be two away); a bf16 model's greedy tokens agree with the
-torch ops'; what the kernels refuse."""
+value, where torch's op-by-op chain may be two away); what the kernels refuse. The runner with
+them: test_model_runner.py's bf16 test; agreement with HF bf16: loadtest/bf16_agreement.py."""
 
 from __future__ import annotations
 
