@@ -62,7 +62,10 @@ def available() -> bool:
 
 class PackedWeight:
     """A ``[out, in]`` fp32 weight in MKL's packed panel layout; :meth:`linear` is
-    ``F.linear(x, weight, bias)`` for 2-D ``x``."""
+    ``F.linear(x, weight, bias)`` for 2-D ``x``; :class:`Projection` takes it from ``min_rows``
+    rows (MKL's GEMV on the plain weight wins below)."""
+
+    min_rows, max_rows = 4, 1 << 62
 
     def __init__(self, weight: torch.Tensor) -> None:
         mkl = _mkl()

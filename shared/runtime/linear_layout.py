@@ -1,5 +1,13 @@
 """The forms a projection weight takes on CPU: transposed for few rows, packed for more.
 
+Which packed form: **oneDNN's** (shared/native/onednn_pack.py) where torch has oneDNN and the CPU
+runs the dtype natively: bf16 at every row count (AMX / avx512_bf16; 1.4x F.linear at 1-64 rows,
+equal at prefill's 2,048), fp32 at 4-48 rows (1.4-2.1x at decode's row counts on an AMX Xeon,
+2026-12-05; its table). Else **MKL's** (fp32, from 4 rows), measured on Zen 3 below. One packed
+form per weight: the transposed one serves the rows it does not (memory: a third copy of every
+fp32 weight for MKL's 49+ rows, ~1.0x the transposed one there, was not worth it). bf16 without
+oneDNN's bf16 stays plain.
+
 Two changes to how ``F.linear`` sees a weight, both measured on whole decode steps of the bench
 model (one thread, paged KV, weights cold as they are between steps):
 
@@ -32,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.native import mkl_pack
+from shared.native import mkl_pack, onednn_pack
 from shared.runtime.model import Projection
 
 
@@ -43,17 +51,19 @@ def transposed_copy(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def prepare_projections(model: nn.Module) -> int:
-    """Transpose every :class:`Projection`'s weight and, where MKL can, pack it too; returns the
-    number packed. A head tied to the embedding stays as it is (the embedding's row gather wants
-    ``[vocab, hidden]``, contiguous); it is still packed."""
+    """Transpose every :class:`Projection`'s weight and, where oneDNN or MKL can, pack it too;
+    returns the number packed. A head tied to the embedding stays as it is (the embedding's row
+    gather wants ``[vocab, hidden]``, contiguous); it is still packed."""
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    can_pack = mkl_pack.available()
     packed = 0
     for module in model.modules():
         if not isinstance(module, Projection):
             continue
         weight = module.weight.detach()
-        if can_pack and weight.dtype == torch.float32:
+        if onednn_pack.available(weight.dtype):
+            module.packed = onednn_pack.OneDnnWeight(weight)
+            packed += 1
+        elif weight.dtype == torch.float32 and mkl_pack.available():
             module.packed = mkl_pack.PackedWeight(weight)
             packed += 1
         if id(module.weight) not in tied:

@@ -22,6 +22,7 @@ from shared.limits import Limits
 from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
 from shared.runtime.cpu_argmax import load_argmax
+from shared.runtime.cpu_bf16_ops import load_bf16_ops
 from shared.runtime.cpu_rope import load_rope
 from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
@@ -116,9 +117,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
             num_packed = prepare_projections(self.model)
-            log.info("projections transposed", packed_for_mkl=num_packed)
+            log.info("projections transposed", packed=num_packed)
             if c_kernels and self.dtype == torch.float32:
                 self.model.use_rope_kernel(load_rope())
+            elif c_kernels and self.dtype == torch.bfloat16:
+                self.model.use_bf16_kernels(load_bf16_ops())
         shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
         if shared is not None:
             self.kv_cache = shared  # zeroed by its owner

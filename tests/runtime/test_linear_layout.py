@@ -1,6 +1,6 @@
-"""Projection weights on CPU (shared/runtime/linear_layout.py): transposed, packed for MKL where
-torch has it, and the packed form used from PACKED_MIN_ROWS rows; MKL's packed GEMM
-(shared/native/mkl_pack.py) against ``F.linear``."""
+"""Projection weights on CPU (shared/runtime/linear_layout.py): transposed, packed for oneDNN or
+MKL where torch has it, and each packed form used for its row counts; MKL's packed GEMM
+(shared/native/mkl_pack.py) and oneDNN's (shared/native/onednn_pack.py) against ``F.linear``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.native import mkl_pack
+from shared.native import mkl_pack, onednn_pack
 from shared.runtime.linear_layout import prepare_projections
 from shared.runtime.model import PACKED_MIN_ROWS, Projection
 
@@ -94,3 +94,69 @@ def test_a_packed_weight_refuses_what_it_cannot_compute() -> None:
         packed.linear(torch.randn(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError):
         mkl_pack.PackedWeight(torch.randn(8, 4, dtype=torch.float64))
+
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_pack.available(torch.float32), reason="torch built without oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 16, 48, 64, 300])
+@pytest.mark.parametrize("shape", [(1152, 896), (896, 4864), (7, 13)])
+def test_a_onednn_weight_computes_what_f_linear_does(
+    dtype: torch.dtype, rows: int, shape: tuple[int, int]
+) -> None:
+    if not onednn_pack.available(dtype):
+        pytest.skip(f"no native {dtype} in oneDNN on this CPU (the plain path serves)")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(shape, generator=g) / shape[1] ** 0.5).to(dtype)
+    bias = torch.randn(shape[0], generator=g).to(dtype)
+    x = torch.randn(rows, shape[1], generator=g).to(dtype)
+    packed = onednn_pack.OneDnnWeight(w.t().contiguous().t())  # any layout in
+    # fp32: another summation order; bf16: fp32 accumulation, one rounding of the output.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    want = F.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(packed.linear(x, bias).float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(packed.linear(x).float(), want - bias.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError):
+        packed.linear(torch.randn(2, shape[1] + 1).to(dtype))
+
+
+@needs_onednn
+def test_projections_take_onednn_in_its_row_range() -> None:
+    proj = Projection(8, 16, bias=True)
+    prepare_projections(proj)
+    assert isinstance(proj.packed, onednn_pack.OneDnnWeight)
+    lo, hi = onednn_pack.ROWS[torch.float32]
+    served: list[int] = []
+    linear = proj.packed.linear
+
+    def spy(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        served.append(x.shape[0])
+        return linear(x, bias)
+
+    proj.packed.linear = spy  # type: ignore[method-assign]
+    for rows in (1, lo - 1, lo, hi, hi + 1, 2048):
+        proj.project(torch.randn(rows, 8))
+    assert served == [lo, hi]
+
+
+def test_without_onednn_fp32_packs_for_mkl_and_bf16_stays_plain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU without native bf16 (no avx512_bf16 / AMX) or a torch without oneDNN: no crash,
+    MKL's form for fp32 where it exists, F.linear for bf16."""
+    onednn_pack.available.cache_clear()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    try:
+        fp32, bf16 = Projection(8, 16, bias=False), Projection(8, 16, bias=False).bfloat16()
+        prepare_projections(fp32)
+        prepare_projections(bf16)
+        assert bf16.packed is None
+        assert isinstance(fp32.packed, mkl_pack.PackedWeight) == mkl_pack.available()
+        x = torch.randn(5, 8).bfloat16()
+        assert torch.equal(bf16.project(x), F.linear(x, bf16.weight))
+    finally:
+        onednn_pack.available.cache_clear()

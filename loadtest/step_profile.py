@@ -1,0 +1,166 @@
+"""One decode step and one prefill wave of a real-size model, timed and profiled by op.
+
+    flock /tmp/baton-bench.lock python3 -m loadtest.step_profile \
+        [--model /tmp/baton-models/qwen2-0.5b] [--dtype float32 bfloat16] [--threads 1 2] \
+        [--batch 16] [--prompt 128] [--context 160] [--profile]
+
+The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as the services
+pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
+whole batch until the context reaches ``context`` tokens; the median step over the last half is
+reported. Floors beside them: decode = weight bytes / memory bandwidth (a 1 GB ``sum`` probe),
+prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype, on the
+run's threads); the bandwidth probe runs on every usable core, the machine's floor.
+A benchmark: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from shared.config import BatonConfig
+from shared.native import mkl_dispatch
+from shared.native.build import usable_cpus
+
+if __name__ == "__main__":  # the engine's MKL kernels, as the services choose them
+    mkl_dispatch.ensure(BatonConfig.from_env().mkl_dispatch)
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  # noqa: E402
+
+
+def bandwidth_gbs() -> float:
+    """The machine's: a 1 GiB ``sum`` on every usable core (one core does not saturate it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cpus())
+    x = torch.ones(2**28)  # 1 GiB fp32
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    torch.set_num_threads(threads)
+    return x.numel() * 4 / best / 1e9
+
+
+def gemm_gflops(dtype: torch.dtype) -> float:
+    a = torch.randn(2048, 896).to(dtype)
+    b = torch.randn(896, 4864).to(dtype)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+    return 2 * 2048 * 896 * 4864 / best / 1e9
+
+
+def _timed(fn: object) -> float:
+    t = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - t
+
+
+def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    runner = ModelRunner(BatonConfig(model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype))
+    model = runner.model
+    weight_bytes = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n
+    )
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    bm = BlockManager(runner.num_kv_blocks, runner.block_size)
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.context, ignore_eos=True)
+
+    def wave() -> tuple[float, list[float], list[Sequence]]:
+        seqs = [
+            Sequence(f"r{i}", torch.randint(3, vocab, (args.prompt,), generator=g).tolist(), sp)
+            for i in range(args.batch)
+        ]
+        for s in seqs:
+            bm.allocate(s)
+        t = time.perf_counter()
+        toks = runner.prefill(seqs, [s.num_tokens for s in seqs])
+        prefill_s = time.perf_counter() - t
+        for s, tok in zip(seqs, toks, strict=True):
+            assert tok is not None
+            s.num_computed_tokens = s.num_tokens
+            s.append_token(tok)
+        steps = []
+        while seqs[0].num_tokens < args.context:
+            for s in seqs:
+                bm.append_slot(s)
+            t = time.perf_counter()
+            out = runner.decode(seqs)
+            steps.append(time.perf_counter() - t)
+            for s, tok in zip(seqs, out, strict=True):
+                s.num_computed_tokens = s.num_tokens
+                s.append_token(tok)
+        return prefill_s, steps, seqs
+
+    def free(seqs: list[Sequence]) -> None:
+        for s in seqs:
+            bm.free(s)
+
+    free(wave()[2])  # warm-up
+    prefills, decodes = [], []
+    for _ in range(args.repeats):
+        p, steps, seqs = wave()
+        free(seqs)
+        prefills.append(p)
+        decodes.append(statistics.median(steps[len(steps) // 2 :]))
+    prefill_ms, decode_ms = min(prefills) * 1e3, min(decodes) * 1e3
+    bw = bandwidth_gbs()
+    peak = gemm_gflops(runner.dtype)
+    decode_floor = weight_bytes / bw / 1e6
+    prefill_floor = 2 * params * args.batch * args.prompt / peak / 1e6
+    print(
+        f"{dtype:9s} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
+        f" (floor {decode_floor:5.1f} ms = {weight_bytes / 1e9:.2f} GB / {bw:.1f} GB/s;"
+        f" {decode_floor / decode_ms:.0%})  prefill {args.batch}x{args.prompt}:"
+        f" {prefill_ms:7.1f} ms (floor {prefill_floor:6.1f} ms at {peak:.0f} GF/s;"
+        f" {prefill_floor / prefill_ms:.0%})",
+        flush=True,
+    )
+    if args.profile:
+        seqs = [
+            Sequence(f"p{i}", torch.randint(3, vocab, (args.prompt,), generator=g).tolist(), sp)
+            for i in range(args.batch)
+        ]
+        for s in seqs:
+            bm.allocate(s)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            toks = runner.prefill(seqs, [s.num_tokens for s in seqs])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        for s, tok in zip(seqs, toks, strict=True):
+            assert tok is not None
+            s.num_computed_tokens = s.num_tokens
+            s.append_token(tok)
+            bm.append_slot(s)
+        runner.decode(seqs)
+        for s in seqs:
+            s.num_computed_tokens = s.num_tokens - 1
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            runner.decode(seqs)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        free(seqs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="/tmp/baton-models/qwen2-0.5b")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--context", type=int, default=160)
+    parser.add_argument("--kv-blocks", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    for threads in args.threads:
+        for dtype in args.dtype:
+            run(args, dtype, threads)
+
+
+if __name__ == "__main__":
+    main()
