@@ -54,6 +54,9 @@ class DecodeEngine(EngineCore):
             self.stop,
             ranking=self.priorities,
             swap_out=self._swap_out if self.spill is not None else None,
+            priority_gap=c.decode_preempt_priority_gap,
+            min_steps=c.decode_preempt_min_steps,
+            lookahead_tokens=c.decode_admit_lookahead_tokens,
         )
 
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
