@@ -414,3 +414,14 @@ def test_swaps_feed_the_preemption_and_swap_in_counters() -> None:
     swapped = _sample(f, "baton:num_preemptions", "baton:num_preemptions_total", mode="swap")
     assert swapped == 3
     assert _sample(f, "baton:num_swap_ins", "baton:num_swap_ins_total") == 2
+
+
+def test_preemption_causes_and_prefetch_hits_feed_their_counters() -> None:
+    sm = ServiceMetrics(BatonConfig(max_num_seqs=8), "decode")
+    sm.on_step(_stats(preemptions_by_cause={"priority_slot": 2}, prefetch_hits_total=1))  # type: ignore[arg-type]
+    sm.on_step(_stats(preemptions_by_cause={"priority_slot": 2, "kv_full": 1}, prefetch_hits_total=3))  # type: ignore[arg-type]
+    f = _families(sm.metrics.render().decode())
+    by_cause = "baton:num_preemptions_by_cause"
+    assert _sample(f, by_cause, f"{by_cause}_total", cause="priority_slot") == 2
+    assert _sample(f, by_cause, f"{by_cause}_total", cause="kv_full") == 1
+    assert _sample(f, "baton:kv_prefetch_hits", "baton:kv_prefetch_hits_total") == 3
