@@ -25,7 +25,6 @@ import torch
 
 from shared.config import BatonConfig
 from shared.engine.build import build_decode_engine
-from shared.engine.decode import DecodeEngine
 from shared.engine.outputs import Handoff, NewRequest
 from shared.wire.sampling import SamplingParams
 
@@ -101,7 +100,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    blocks = (args.batch * (args.batch_context + 200) + 2 * args.resumes * (args.context + 200))
+    blocks = args.batch * (args.batch_context + 200) + 2 * args.resumes * (args.context + 200)
     rows = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as spill:
         cfg = BatonConfig(model=str(args.model), num_kv_blocks=blocks // 16 + 16, spill_dir=spill,
@@ -110,14 +109,17 @@ def main() -> None:
             for prefetch in (False, True):
                 rows.append(run(cfg.replace(decode_kv_prefetch=prefetch), args.model, args))
                 print(json.dumps(rows[-1]))
-    print(f"\n{'prefetch':>8} {'steady ms':>10} {'admit-step stall ms':>20} {'next-step stall ms':>19}")
+    print(
+        f"\n{'prefetch':>8} {'steady ms':>10} {'admit-step stall ms':>20} "
+        f"{'next-step stall ms':>19}"
+    )
     for r in rows:
         print(f"{r['prefetch']!s:>8} {r['steady_step_ms']:10.1f} {r['admit_stall_ms']:20.1f} "
               f"{r['next_stall_ms']:19.1f}")  # fmt: skip
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": vars(args) | {"model": str(args.model),
-                                        "out": str(args.out)}, "rows": rows}, indent=1))  # fmt: skip
+        meta = vars(args) | {"model": str(args.model), "out": str(args.out)}
+        args.out.write_text(json.dumps({"args": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

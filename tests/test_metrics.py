@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -418,8 +419,10 @@ def test_swaps_feed_the_preemption_and_swap_in_counters() -> None:
 
 def test_preemption_causes_and_prefetch_hits_feed_their_counters() -> None:
     sm = ServiceMetrics(BatonConfig(max_num_seqs=8), "decode")
-    sm.on_step(_stats(preemptions_by_cause={"priority_slot": 2}, prefetch_hits_total=1))  # type: ignore[arg-type]
-    sm.on_step(_stats(preemptions_by_cause={"priority_slot": 2, "kv_full": 1}, prefetch_hits_total=3))  # type: ignore[arg-type]
+    first = replace(_stats(), preemptions_by_cause={"priority_slot": 2})
+    sm.on_step(replace(first, prefetch_hits_total=1))
+    sm.on_step(replace(first, preemptions_by_cause={"priority_slot": 2, "kv_full": 1},
+                       prefetch_hits_total=3))  # fmt: skip
     f = _families(sm.metrics.render().decode())
     by_cause = "baton:num_preemptions_by_cause"
     assert _sample(f, by_cause, f"{by_cause}_total", cause="priority_slot") == 2

@@ -228,7 +228,9 @@ class DecodeEngine(EngineCore):
             if self._prefetchable(seq, desc, receiver):
                 assert self.prefetch is not None
                 skip = first - desc.first_block
-                self.prefetch.start(seq.request_id, desc, lambda: receiver.load(desc, block_ids, skip))
+                self.prefetch.start(
+                    seq.request_id, desc, lambda: receiver.load(desc, block_ids, skip)
+                )
                 self.scheduler.loading.add(seq.request_id)
                 return
             with self._device_ids(block_ids, read=False, write=True) as ids:
