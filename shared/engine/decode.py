@@ -10,7 +10,9 @@ copied into the spill store by this engine's own sending role (``spill``, a spil
 beside the receiving one) and the request leaves as a handoff to ``baton.decode`` — prompt,
 tokens so far, the KV's descriptor, its effective priority — for whichever decode worker has
 room (this one included), which loads the KV and goes on with no recompute. If the store is
-full, the victim stays here and recomputes (``recompute`` mode always does).
+full, the victim stays here and recomputes (``recompute`` mode always does). The resuming worker
+loads swapped-out KV on a background thread while its current step runs (prefetch on resume,
+``kv_prefetch.py``); the sequence joins the batch at the next step.
 """
 
 from __future__ import annotations
