@@ -6,7 +6,7 @@ readmits it, with and without prefetch on resume (shared/engine/kv_prefetch.py).
 A source decode engine swaps ``--resumes`` sequences of ``--context`` tokens out to the spill
 store (a priority-9 request preempting each: issue 28's rule), and a target decode engine
 running ``--batch`` sequences resumes them, one every few steps, alternately with
-``BATON_DECODE_KV_PREFETCH`` off and on. Per resume it times the step that admits the sequence
+``BATON_DECODE_KV_PREFETCH`` off and on (off first in even rounds, on first in odd ones). Per resume it times the step that admits the sequence
 and the one after it, against the median step of the same batch without a resume; the stall is
 the excess. Prints a table and writes JSON. A benchmark, not a test: it asserts nothing.
 """
@@ -105,8 +105,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm") as spill:
         cfg = BatonConfig(model=str(args.model), num_kv_blocks=blocks // 16 + 16, spill_dir=spill,
                           max_num_seqs=args.batch + args.resumes)  # fmt: skip
-        for _ in range(args.rounds):
-            for prefetch in (False, True):
+        for r in range(args.rounds):
+            for prefetch in (r % 2 == 1, r % 2 == 0):  # off/on, then on/off: order effects cancel
                 rows.append(run(cfg.replace(decode_kv_prefetch=prefetch), args.model, args))
                 print(json.dumps(rows[-1]))
     print(
