@@ -6,9 +6,10 @@ readmits it, with and without prefetch on resume (shared/engine/kv_prefetch.py).
 A source decode engine swaps ``--resumes`` sequences of ``--context`` tokens out to the spill
 store (a priority-9 request preempting each: issue 28's rule), and a target decode engine
 running ``--batch`` sequences resumes them, one every few steps, alternately with
-``BATON_DECODE_KV_PREFETCH`` off and on (off first in even rounds, on first in odd ones). Per resume it times the step that admits the sequence
-and the one after it, against the median step of the same batch without a resume; the stall is
-the excess. Prints a table and writes JSON. A benchmark, not a test: it asserts nothing.
+``BATON_DECODE_KV_PREFETCH`` off and on (off first in even rounds, on first in odd ones). Per
+resume it times the step that admits the sequence and the one after it, against the median step
+of the same batch without a resume; the stall is the excess. Prints a table and writes JSON. A
+benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
