@@ -117,6 +117,21 @@ class BatonConfig:
     # with no recompute (docs/scheduling.md); "recompute" frees it and rebuilds its KV here later.
     # Swap falls back to recompute while the spill store is full.
     decode_preemption: str = "swap"
+    # Priority preemption with a full batch (docs/scheduling.md): a waiting sequence whose
+    # effective priority (aging included) is at least this many levels above the lowest running
+    # one takes its slot (that one is swapped out). 0 = only when KV blocks run short.
+    decode_preempt_priority_gap: float = 3.0
+    # A sequence admitted or resumed fewer than this many decode steps ago is never a priority
+    # victim (bounds the churn: every swap costs a KV copy out and back).
+    decode_preempt_min_steps: int = 16
+    # Admission on projected resident KV: a sequence is admitted only if the free blocks also
+    # hold what the running batch (and it) will append within this many tokens. 0 = admit on
+    # the current size only.
+    decode_admit_lookahead_tokens: int = 16
+    # Load a swapped-out sequence's KV on a background thread while the current step runs; it
+    # joins the batch at the next step (shared/engine/kv_prefetch.py). Off: loaded synchronously
+    # in the step that admits it.
+    decode_kv_prefetch: bool = True
     # --- scheduling policy (shared/scheduling/policy.py; docs/scheduling.md) -------------------
     # How often the tokenizer and prefill read the broker's queue depths (passive declares) and
     # prefill the spill store's size.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -414,3 +415,16 @@ def test_swaps_feed_the_preemption_and_swap_in_counters() -> None:
     swapped = _sample(f, "baton:num_preemptions", "baton:num_preemptions_total", mode="swap")
     assert swapped == 3
     assert _sample(f, "baton:num_swap_ins", "baton:num_swap_ins_total") == 2
+
+
+def test_preemption_causes_and_prefetch_hits_feed_their_counters() -> None:
+    sm = ServiceMetrics(BatonConfig(max_num_seqs=8), "decode")
+    first = replace(_stats(), preemptions_by_cause={"priority_slot": 2})
+    sm.on_step(replace(first, prefetch_hits_total=1))
+    sm.on_step(replace(first, preemptions_by_cause={"priority_slot": 2, "kv_full": 1},
+                       prefetch_hits_total=3))  # fmt: skip
+    f = _families(sm.metrics.render().decode())
+    by_cause = "baton:num_preemptions_by_cause"
+    assert _sample(f, by_cause, f"{by_cause}_total", cause="priority_slot") == 2
+    assert _sample(f, by_cause, f"{by_cause}_total", cause="kv_full") == 1
+    assert _sample(f, "baton:kv_prefetch_hits", "baton:kv_prefetch_hits_total") == 3

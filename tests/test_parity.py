@@ -45,6 +45,9 @@ TEXT = (
     "baker opened his shutters and the smell of warm bread drifted down the narrow streets."
 )
 BS = 16  # BatonConfig's default block size, which every engine here uses
+# The preemption tests squeeze two sequences into too few blocks: admitted on their current
+# size (no projected growth), so that the squeeze happens rather than the second one waiting.
+SQUEEZE = {"decode_admit_lookahead_tokens": 0}
 BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4  # tiny preset: layers x K/V x block x kv heads x dim x fp32
 
 
@@ -274,7 +277,9 @@ def test_preemption_recomputes_to_the_same_tokens(model: Model, make_pair: PairF
     the scheduler preempts the later arrival, the earlier one finishes, and the victim comes
     back — its first blocks still cached, the rest recomputed."""
     names = ("ids-40a", "ids-40b")
-    pair = make_pair(decode_blocks=model.squeeze_blocks, decode={"decode_preemption": "recompute"})
+    pair = make_pair(
+        decode_blocks=model.squeeze_blocks, decode={**SQUEEZE, "decode_preemption": "recompute"}
+    )
     model.add(pair, *names)
     pair.run()
     assert pair.decode.scheduler.num_preemptions > 0
@@ -291,7 +296,7 @@ def test_preemption_swaps_out_and_in_to_the_same_tokens(
     store, the request back through baton.decode (here to the same worker: the cross-worker
     case is tests/engine/test_swap_preemption.py) and its KV is loaded, not recomputed."""
     names = ("ids-40a", "ids-40b")
-    pair = make_pair(decode_blocks=model.squeeze_blocks)
+    pair = make_pair(decode_blocks=model.squeeze_blocks, decode=SQUEEZE)
     model.add(pair, *names)
     pair.run()
     assert pair.decode.scheduler.num_swaps > 0 and pair.decode.scheduler.num_preemptions == 0

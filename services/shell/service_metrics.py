@@ -42,6 +42,8 @@ class ServiceMetrics:
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         self._last_swaps = (0, 0)  # (out, in)
+        self._last_by_cause: dict[str, int] = {}
+        self._last_prefetch_hits = 0
         self._last_connector = KVConnectorStats()
         self._last_reclaimed: dict[tuple[str, str], int] = {}
         self._last_staged_blocks = 0  # EngineLoad.num_staged_blocks is cumulative
@@ -173,6 +175,14 @@ class ServiceMetrics:
         if stats.swaps_in_total > self._last_swaps[1]:
             m.num_swap_ins.inc(stats.swaps_in_total - self._last_swaps[1])
         self._last_swaps = (stats.swaps_out_total, stats.swaps_in_total)
+        for cause, total in stats.preemptions_by_cause.items():
+            if total > self._last_by_cause.get(cause, 0):
+                by_cause = m.num_preemptions_by_cause.labels(cause=cause)
+                by_cause.inc(total - self._last_by_cause.get(cause, 0))
+                self._last_by_cause[cause] = total
+        if stats.prefetch_hits_total > self._last_prefetch_hits:
+            m.kv_prefetch_hits.inc(stats.prefetch_hits_total - self._last_prefetch_hits)
+            self._last_prefetch_hits = stats.prefetch_hits_total
         if stats.num_context_tokens and stats.forward_s > 0 and self._step_weight_bytes:
             read = self._step_weight_bytes + stats.num_context_tokens * self._kv_bytes_per_token
             m.memory_bandwidth_bytes_per_second.set(read / stats.forward_s)

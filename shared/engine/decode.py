@@ -10,7 +10,9 @@ copied into the spill store by this engine's own sending role (``spill``, a spil
 beside the receiving one) and the request leaves as a handoff to ``baton.decode`` — prompt,
 tokens so far, the KV's descriptor, its effective priority — for whichever decode worker has
 room (this one included), which loads the KV and goes on with no recompute. If the store is
-full, the victim stays here and recomputes (``recompute`` mode always does).
+full, the victim stays here and recomputes (``recompute`` mode always does). The resuming worker
+loads swapped-out KV on a background thread while its current step runs (prefetch on resume,
+``kv_prefetch.py``); the sequence joins the batch at the next step.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import cast
 import structlog
 
 from shared.engine.engine import EngineCore
+from shared.engine.kv_prefetch import KVPrefetch
 from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOutput, TokenOutput
-from shared.kv_transfer.connector import KVConnector
+from shared.kv_transfer.connector import KVConnector, KVLoad
 from shared.kv_transfer.layerwise import FAILED, FINISHED, LayerwiseLoad
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
@@ -47,6 +50,8 @@ class DecodeEngine(EngineCore):
         self._pulls: dict[str, tuple[LayerwiseLoad, KVDescriptor]] = {}
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
         c = self.config
+        # Swapped-out KV loaded while a step runs (kv_prefetch.py); None: in the admitting step.
+        self.prefetch = KVPrefetch() if c.decode_kv_prefetch and self.spill is not None else None
         return DecodeScheduler(
             self.block_manager,
             c.max_num_seqs,
@@ -54,6 +59,9 @@ class DecodeEngine(EngineCore):
             self.stop,
             ranking=self.priorities,
             swap_out=self._swap_out if self.spill is not None else None,
+            priority_gap=c.decode_preempt_priority_gap,
+            min_steps=c.decode_preempt_min_steps,
+            lookahead_tokens=c.decode_admit_lookahead_tokens,
         )
 
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
@@ -68,12 +76,21 @@ class DecodeEngine(EngineCore):
             self._discard(req.kv)
         return result
 
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+        super().close()
+
     def _admit(self, seq: Sequence, req: NewRequest) -> None:
         if req.kv is not None:
             self._kv[seq.request_id] = req.kv
         self.scheduler.add(seq)
 
     def _drop(self, request_id: str) -> None:
+        desc = self.prefetch.cancel(request_id) if self.prefetch is not None else None
+        if desc is not None:  # its load has ended: the blocks may be freed
+            self.scheduler.loading.discard(request_id)
+            self._discard(desc)
         pull = self._pulls.pop(request_id, None)
         if pull is not None:  # stop writing into its blocks before they are freed
             pull[0].cancel()
@@ -134,6 +151,7 @@ class DecodeEngine(EngineCore):
         for seq in admitted:
             self._load(seq, out)
         self._land_pulls(out)
+        self._land_prefetches(out)
         sched = self.scheduler.schedule()
         self._hand_on_swapped(now, out)  # victims of admit() and schedule()
         if not sched:
@@ -166,6 +184,8 @@ class DecodeEngine(EngineCore):
             self.scheduler.num_preemptions,
             self.scheduler.num_swaps,
             self.num_swaps_in,
+            dict(self.scheduler.preemptions_by_cause),
+            self.prefetch.num_hits if self.prefetch is not None else 0,
         )
         return out
 
@@ -207,23 +227,61 @@ class DecodeEngine(EngineCore):
             if desc.payload.get("layerwise") and receiver.layerwise:
                 self._start_pull(seq, desc, receiver, block_ids, first - desc.first_block)
                 return
+            if self._prefetchable(seq, desc, receiver):
+                assert self.prefetch is not None
+                skip = first - desc.first_block
+                self.prefetch.start(
+                    seq.request_id, desc, lambda: receiver.load(desc, block_ids, skip)
+                )
+                self.scheduler.loading.add(seq.request_id)
+                return
             with self._device_ids(block_ids, read=False, write=True) as ids:
                 result = receiver.load(desc, ids, first - desc.first_block)
         except Exception:  # never wrong KV: recompute whatever was partly written
             log.exception("KV load failed; recomputing", request_id=seq.request_id)
             self._discard(desc)  # the sender may free its copy now, not at lease expiry
             return
+        self._loaded(seq, desc, result, out)
+
+    def _loaded(self, seq: Sequence, desc: KVDescriptor, result: KVLoad, out: StepOutput) -> None:
         if result.release is not None:
             out.releases.append(result.release)
         if not result.loaded:
             log.warning("KV gone; recomputing", request_id=seq.request_id)
             return
-        bm.release_before(seq, desc.first_block)  # outside the window: never sent, never read
+        self.block_manager.release_before(seq, desc.first_block)  # outside the window: never read
         seq.num_computed_tokens = max(seq.num_computed_tokens, desc.num_tokens)
         out.transfers.append(KVTransferStat(desc.transport, result.nbytes, result.seconds))
         if desc.num_tokens > seq.num_prompt_tokens:  # KV of generated tokens: a decode swapped it
             self.num_swaps_in += 1
             log.info("swapped in", request_id=seq.request_id, num_tokens=desc.num_tokens)
+
+    # --- prefetch on resume (kv_prefetch.py) ----------------------------------------------------
+    def _prefetchable(self, seq: Sequence, desc: KVDescriptor, receiver: KVConnector) -> bool:
+        """Swapped-out KV from the spill store, into device blocks (a host tier stages blocks
+        around each forward: loaded in the step, as before)."""
+        return (
+            self.prefetch is not None
+            and self.spill is not None
+            and desc.transport == self.spill.name
+            and desc.num_tokens > seq.num_prompt_tokens
+            and self.runner.host_tier is None
+        )
+
+    def _land_prefetches(self, out: StepOutput) -> None:
+        """Resumed sequences whose KV landed join this step's batch (or recompute, if it was
+        gone or failed). With nothing else to run, wait for the first one."""
+        if self.prefetch is None or not len(self.prefetch):
+            return
+        idle = all(rid in self.scheduler.loading for rid in self.scheduler.running)
+        for rid, desc, result in self.prefetch.take(wait=idle):
+            self.scheduler.loading.discard(rid)
+            seq = self.requests[rid]
+            if isinstance(result, BaseException):
+                log.error("KV prefetch failed; recomputing", request_id=rid, error=repr(result))
+                self._discard(desc)
+                continue
+            self._loaded(seq, desc, result, out)
 
     # --- layer-wise handoffs (kv_transfer/layerwise.py) -----------------------------------------
     def _start_pull(

@@ -333,6 +333,8 @@ class EngineCore(ABC):
         preemptions_total: int = 0,
         swaps_out_total: int = 0,
         swaps_in_total: int = 0,
+        preemptions_by_cause: dict[str, int] | None = None,
+        prefetch_hits_total: int = 0,
     ) -> StepStats:
         bm = self.block_manager
         return StepStats(
@@ -346,6 +348,8 @@ class EngineCore(ABC):
             preemptions_total=preemptions_total,
             swaps_out_total=swaps_out_total,
             swaps_in_total=swaps_in_total,
+            preemptions_by_cause=preemptions_by_cause or {},
+            prefetch_hits_total=prefetch_hits_total,
         )
 
 

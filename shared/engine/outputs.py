@@ -98,6 +98,9 @@ class StepStats:
     preemptions_total: int  # by recompute
     swaps_out_total: int = 0  # preemptions by swap (decode)
     swaps_in_total: int = 0  # sequences resumed from swapped-out KV (decode)
+    # decode: preemptions (swap or recompute) by cause: priority_slot | priority_kv | kv_full
+    preemptions_by_cause: dict[str, int] = field(default_factory=dict)
+    prefetch_hits_total: int = 0  # decode: resumed KV that landed before the step needing it
 
 
 @dataclass

@@ -158,6 +158,18 @@ class Metrics:
             "num_swap_ins_total",
             "Sequences resumed here from KV another (or this) decode worker swapped out.",
         )
+        self.num_preemptions_by_cause = counter(
+            "num_preemptions_by_cause_total",
+            "Decode preemptions (swap or recompute) by cause: priority_slot (a waiting sequence "
+            "outranked a running one by BATON_DECODE_PREEMPT_PRIORITY_GAP with the batch full by "
+            "count), priority_kv (a higher-ranked waiting sequence needed KV blocks), kv_full "
+            "(the running batch outgrew the cache).",
+            ["cause"],
+        )
+        self.kv_prefetch_hits = counter(
+            "kv_prefetch_hits_total",
+            "Swapped-out KV loaded in the background that had landed before the step needing it.",
+        )
 
         # --- scheduling policy (shared/scheduling/policy.py; its inputs not already above:
         # queue_depth, num_requests_*, kv_blocks_free, spill_store_bytes) ---------------------

@@ -116,7 +116,12 @@ def test_a_sequence_holding_host_blocks_swaps_out_and_in(
     """A: 5 device + 6 host blocks, too few for the batch: it swaps out sequences that hold host
     blocks (read through staging). B: 5 device blocks and a host tier: it loads what A swapped
     into host blocks (written through staging) and hands back what it swaps in turn."""
-    config = engine_config(model_dir, 10, spill_dir=str(tmp_path / "spill"), device=DEVICE)
+    # Admission on the current size (no projected growth): B must fill its device blocks and
+    # spill into host ones, which is what this test is about.
+    config = engine_config(
+        model_dir, 10, spill_dir=str(tmp_path / "spill"), device=DEVICE,
+        decode_admit_lookahead_tokens=0,
+    )  # fmt: skip
     decode_a = build_decode_engine(config, model_dir, kv_host_cache_bytes=6 * BLOCK_BYTES)
     decode_b = build_decode_engine(config, model_dir, kv_host_cache_bytes=64 * BLOCK_BYTES)
     logs = ForwardLog(decode_a.runner), ForwardLog(decode_b.runner)

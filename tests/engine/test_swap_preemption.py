@@ -47,11 +47,14 @@ class Wiring:
             if t.finish_reason is not None:
                 self.finished.add(t.request_id)
 
-    def deliver(self, handoffs: list[Handoff], to: DecodeEngine) -> None:
+    def deliver(
+        self, handoffs: list[Handoff], to: DecodeEngine, max_tokens: int = MAX_TOKENS
+    ) -> None:
         for h in handoffs:
             prompt = self.prompts[int(h.request_id[1:])]
-            req = NewRequest(h.request_id, prompt, greedy(MAX_TOKENS, ignore_eos=True),
-                             output_token_ids=h.output_token_ids, kv=h.kv)  # fmt: skip
+            req = NewRequest(h.request_id, prompt, greedy(max_tokens, ignore_eos=True),
+                             output_token_ids=h.output_token_ids, priority=h.priority,
+                             kv=h.kv)  # fmt: skip
             assert to.add(req) is AddResult.ADDED
 
     def completion(self, rid: str) -> list[int]:
@@ -92,6 +95,8 @@ def test_sequences_swapped_out_on_one_decode_worker_resume_on_the_other(
     assert wiring.finished == set(wiring.tokens)
 
     assert decode_a.scheduler.num_swaps > 0 and decode_b.num_swaps_in > 0
+    # B resumed them from the spill store on its prefetch thread, overlapped with its steps.
+    assert decode_b.prefetch is not None and decode_b.prefetch.num_started == decode_b.num_swaps_in
     for engine, log in zip((decode_a, decode_b), logs, strict=True):
         assert engine.scheduler.num_preemptions == 0  # no preemption by recompute
         assert log.prefills == []  # and no KV rebuilt: every forward was a decode step
