@@ -392,13 +392,15 @@ def test_seeded_sampling_replays_identically(
     assert run("batched", "chat-short", "ids-16").tokens["s"] == alone
     # ids-40a (41 -> 79 tokens) and s (28 -> 66) outgrow 8 decode blocks: s, the later arrival,
     # is preempted and recomputed.
-    recompute = {"decode_preemption": "recompute"}
+    recompute = {**SQUEEZE, "decode_preemption": "recompute"}
     squeeze = model.squeeze_blocks
     preempted = run("preempted", "ids-40a", decode_blocks=squeeze, decode=recompute)
     assert preempted.decode.scheduler.num_preemptions > 0
     assert preempted.decode_log.chunks("s")  # it was the victim: recomputed in decode
     assert preempted.tokens["s"] == alone
-    swapped = run("swapped", "ids-40a", decode_blocks=squeeze)  # swapped out and in instead
+    swapped = run(
+        "swapped", "ids-40a", decode_blocks=squeeze, decode=SQUEEZE
+    )  # swapped out and in instead
     # Once; in 6 blocks beside a windowed ids-40a that frees its first block only at 64
     # tokens, s may go out again right after coming back.
     assert set(swapped.swapped) == {"s"} and swapped.tokens["s"] == alone
