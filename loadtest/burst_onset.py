@@ -101,31 +101,46 @@ class BurstRun:
             f"first p9 in burst {burst[0] * 1e3:.1f} ms = {burst[0] / idle_p50:.2f}x idle p50 "
             f"({idle_p50 * 1e3:.1f} ms); burst p50 {statistics.median(burst) * 1e3:.1f} ms, "
             f"p99 {p99(burst) * 1e3:.1f} ms (idle p99 {p99(idle) * 1e3:.1f} ms); "
-            f"next four {' '.join(f'{t * 1e3:.0f}' for t in burst[1:5])} ms"
+            f"next four {' '.join(f'{t * 1e3:.0f}' for t in burst[1:5])} ms; "
+            f"flood first tokens {_spread(self.ttft(self.flood))}, "
+            f"done {_spread([self.log.e2e(r) for r in self.flood])}"
         )
 
 
-async def measure(amqp_url: str, samples: int = SAMPLES, flood: int = FLOOD) -> BurstRun:
-    """One run on a system already serving at ``amqp_url``; waits until the flood is answered."""
+def _spread(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return f"p10 {q[0]:.2f} / p50 {statistics.median(values):.2f} / p90 {q[8]:.2f} s"
+
+
+async def measure(
+    amqp_url: str, samples: int = SAMPLES, flood: int = FLOOD, stream: bool = False,
+    lead_s: float = BURST_LEAD_S,
+) -> BurstRun:
+    """One run on a system already serving at ``amqp_url``; waits until the flood is answered.
+    ``stream``: the flood streams its tokens."""
     log = TimedReplies(amqp_url)
     async with log:
+        await log.one(request("warm", 9, VIP_OUTPUT, True))  # first-use costs, not measured
         idle = [await log.one(request("idle", 9, VIP_OUTPUT, True)) for _ in range(samples)]
-        flood_ids = await log.send(request("flood", 0, FLOOD_OUTPUT, False) for _ in range(flood))
-        await asyncio.sleep(BURST_LEAD_S)
+        flood_ids = await log.send(
+            request("flood", 0, FLOOD_OUTPUT, stream) for _ in range(flood)
+        )
+        await asyncio.sleep(lead_s)
         burst = [await log.one(request("vip", 9, VIP_OUTPUT, True)) for _ in range(samples)]
         await log.wait(flood_ids, timeout_s=300)
     return BurstRun(log, idle, burst, flood_ids)
 
 
-async def run_once(amqp_url: str | None, env: dict[str, str]) -> BurstRun:
+async def run_once(amqp_url: str | None, env: dict[str, str], **kw: Any) -> BurstRun:
+    """``kw``: :func:`measure`'s options."""
     if amqp_url is not None:
-        return await measure(amqp_url)
+        return await measure(amqp_url, **kw)
     with fresh_vhost(prefix="baton-burst") as url:
         system = LocalSystem(url, env)
         system.start()
         try:
             await system.wait_ready()
-            return await measure(url)
+            return await measure(url, **kw)
         finally:
             system.stop()
 
@@ -134,10 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--amqp-url", default=None, help="a running system (default: start one)")
+    parser.add_argument("--stream", action="store_true", help="the flood streams its tokens")
+    parser.add_argument("--lead", type=float, default=BURST_LEAD_S, help="flood -> first p9, s")
     args = parser.parse_args(argv)
     ratios = []
     for i in range(args.runs):
-        r = asyncio.run(run_once(args.amqp_url, {}))
+        r = asyncio.run(run_once(args.amqp_url, {}, stream=args.stream, lead_s=args.lead))
         burst0 = r.ttft(r.burst)[0]
         ratios.append(burst0 / statistics.median(r.ttft(r.idle)))
         print(f"run {i + 1}: {r.summary()}", flush=True)
