@@ -113,7 +113,10 @@ def _spread(values: list[float]) -> str:
 
 
 async def measure(
-    amqp_url: str, samples: int = SAMPLES, flood: int = FLOOD, stream: bool = False,
+    amqp_url: str,
+    samples: int = SAMPLES,
+    flood: int = FLOOD,
+    stream: bool = False,
     lead_s: float = BURST_LEAD_S,
 ) -> BurstRun:
     """One run on a system already serving at ``amqp_url``; waits until the flood is answered.
@@ -122,9 +125,7 @@ async def measure(
     async with log:
         await log.one(request("warm", 9, VIP_OUTPUT, True))  # first-use costs, not measured
         idle = [await log.one(request("idle", 9, VIP_OUTPUT, True)) for _ in range(samples)]
-        flood_ids = await log.send(
-            request("flood", 0, FLOOD_OUTPUT, stream) for _ in range(flood)
-        )
+        flood_ids = await log.send(request("flood", 0, FLOOD_OUTPUT, stream) for _ in range(flood))
         await asyncio.sleep(lead_s)
         burst = [await log.one(request("vip", 9, VIP_OUTPUT, True)) for _ in range(samples)]
         await log.wait(flood_ids, timeout_s=300)
