@@ -7,9 +7,10 @@ prefill's prefetch window, full of the burst's prompts: 0.8-0.9 s in the issue's
 its idle p99), 0.1-3.2 s in this machine's. With the lane it is delivered on its own channel and
 ranks first in prefill's waiting queue: its first token needs one forward, as when idle.
 
-What is checked is ordering, not speed: the priority-9 request finishes (all 8 tokens) before
-the first tenth of the flood requests still unanswered when it was sent — a request queued
-behind the burst's prefetched prompts would come after hundreds of them. The ratio of its
+What is checked is ordering, not speed: the priority-9 request's first token comes before the
+first tenth of the flood requests still unanswered when it was sent have finished — a request
+queued behind the burst's prefetched prompts would come after hundreds of them. (Its last token
+is decode's: with decode's batch full of the flood it waits for a slot, issue 28 item 1.) The ratio of its
 first token to the idle median is printed (the load test ``loadtest/burst_onset.py`` reports it
 over runs).
 """
@@ -67,7 +68,7 @@ async def test_first_priority_9_request_into_a_burst_overtakes_it() -> None:
     assert len(outstanding) >= MIN_OUTSTANDING, "the flood was served before the burst test"
     finished = sorted(log.last[rid] for rid in outstanding)
     tenth = finished[len(finished) // 10]
-    assert log.first[vip] <= log.last[vip] < tenth, (
-        f"priority-9 done {log.last[vip] - log.sent[vip]:.3f} s after sending; the outstanding "
+    assert log.first[vip] < tenth, (
+        f"priority-9 first token {log.ttft(vip):.3f} s after sending; the outstanding "
         f"flood's first tenth {tenth - log.sent[vip]:.3f} s"
     )
