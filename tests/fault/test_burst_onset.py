@@ -9,10 +9,10 @@ ranks first in prefill's waiting queue: its first token needs one forward, as wh
 
 What is checked is ordering, not speed: the priority-9 request's first token comes before the
 first tenth of the flood requests still unanswered when it was sent have finished — a request
-queued behind the burst's prefetched prompts would come after hundreds of them. (Its last token
-is decode's: with decode's batch full of the flood it waits for a slot, issue 28 item 1.) The ratio of its
-first token to the idle median is printed (the load test ``loadtest/burst_onset.py`` reports it
-over runs).
+queued behind the burst's prefetched prompts would come after hundreds of them. (Its last
+token is decode's: with decode's batch full of the flood it waits for a slot, issue 28 item 1.)
+The ratio of its first token to the idle median is printed (``loadtest/burst_onset.py`` reports
+it over runs).
 """
 
 from __future__ import annotations
