@@ -44,9 +44,10 @@ class BatonConfig:
     model: str = ""  # "" = the built-in tiny model (built on first use)
     device: str = "cpu"
     dtype: str = "float32"
-    # torch intra-op threads of each engine service; 0 = auto: half the cores each (prefill and
-    # decode usually share one machine with the broker). Measured on 2 cores: one thread each gives
-    # ~20% more end-to-end throughput than two each, which mostly spin against each other.
+    # torch intra-op threads of each engine service; 0 = auto: the shared budget below (cpu_share),
+    # else half the cores each. A count given here is fixed (the engine leaves the budget). Measured
+    # on 2 cores before the budget: one fixed thread each gave ~20% more end-to-end throughput than
+    # two each, which mostly spun against each other.
     prefill_torch_threads: int = 0
     decode_torch_threads: int = 0
     # Engines share the machine's cores by who has work (services/shell/cpu_share.py): before each
