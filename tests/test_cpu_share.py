@@ -87,6 +87,7 @@ def test_the_step_runs_at_the_budget(table: Path) -> None:
         assert me.run_step(True, torch.get_num_threads) == 2
         other.budget(busy=True)
         assert me.run_step(True, torch.get_num_threads) == 1
+        assert me.threads == 1  # what the engine reports (baton:engine_threads)
     finally:
         torch.set_num_threads(before)
 

@@ -81,7 +81,7 @@ class CpuShareManager:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the map holds a duplicate of fd
             os.close(fd)
-        self._threads = 0  # last count set in the step thread
+        self.threads = 0  # the count of the last step (set in the step's thread)
 
     def _claim(self) -> int:
         now = self.clock()
@@ -116,11 +116,11 @@ class CpuShareManager:
         """``step`` with this engine's budget as torch's thread count (set only when it changes);
         call it in the thread that runs the step."""
         threads = self.budget(busy)
-        if threads != self._threads:
+        if threads != self.threads:
             import torch
 
             torch.set_num_threads(threads)
-            self._threads = threads
+            self.threads = threads
         return step()
 
     def idle(self) -> None:

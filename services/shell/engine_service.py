@@ -327,6 +327,10 @@ class EngineService(ABC):
         if out.stats is not None:
             stats = out.stats
             self.policy.observe_step(stats.forward_s, stats.num_seqs, stats.num_scheduled_tokens)
+            if self.cpu_share is not None:  # the cores each phase used (docs/engine.md, "CPUs")
+                m = self.shell.metrics.metrics
+                m.engine_threads.set(self.cpu_share.threads)
+                m.forward_thread_seconds.inc(stats.forward_s * self.cpu_share.threads)
         if out.releases:
             self.publish_releases(out.releases)
         if not out and not self.events:
