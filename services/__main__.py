@@ -26,6 +26,8 @@ log = structlog.get_logger("services")
 
 def run_one(name: str, config: BatonConfig) -> None:
     from services.shell.common import run_until_signalled
+    from services.shell.cpu_share import CpuShareManager, table_path
+    from services.shell.engine_service import EngineService
 
     configure_logging(config.log_level, config.log_format, service=name)
     try:
@@ -43,6 +45,9 @@ def run_one(name: str, config: BatonConfig) -> None:
         torch.set_num_threads(pin_engine(cpus, threads))
         yield_cpu(getattr(config, f"{name}_nice"))
     service = spec(name).build(config)
+    if isinstance(service, EngineService) and _shares_cpus(config, name):
+        cpus = frozenset(os.sched_getaffinity(0))
+        service.cpu_share = CpuShareManager(table_path(config.amqp_url, cpus), len(cpus))
     asyncio.run(run_until_signalled(service))
 
 
@@ -110,11 +115,22 @@ def run_all(config: BatonConfig) -> int:
     return code
 
 
+def _shares_cpus(config: BatonConfig, name: str) -> bool:
+    """Whether engine ``name`` takes its thread count from the shared budget: on a CPU device,
+    unless its count is fixed (services/shell/cpu_share.py)."""
+    fixed = getattr(config, f"{name}_torch_threads", 0) > 0
+    return config.cpu_share and config.device == "cpu" and not fixed
+
+
 def _engine_cpus(config: BatonConfig) -> dict[str, str]:
     """The engines' CPU lists when neither is configured (by a flag or the environment, even as
-    an empty list): the two halves of this process's CPUs (services/shell/cpus.py says why)."""
+    an empty list) and they do not share the cores: the two halves of this process's CPUs
+    (services/shell/cpus.py says why)."""
     given = {"BATON_PREFILL_CPUS", "BATON_DECODE_CPUS"} & os.environ.keys()
     if config.prefill_cpus or config.decode_cpus or given:
+        return {}
+    if config.cpu_share and config.device == "cpu":
+        log.info("engines share every CPU by who has work (BATON_CPU_SHARE)")
         return {}
     split = split_engine_cpus(frozenset(os.sched_getaffinity(0)))
     if split is None:

@@ -44,11 +44,17 @@ class BatonConfig:
     model: str = ""  # "" = the built-in tiny model (built on first use)
     device: str = "cpu"
     dtype: str = "float32"
-    # torch intra-op threads of each engine service; 0 = auto: half the cores each (prefill and
-    # decode usually share one machine with the broker). Measured on 2 cores: one thread each gives
-    # ~20% more end-to-end throughput than two each, which mostly spin against each other.
+    # torch intra-op threads of each engine service; 0 = auto: the shared budget below (cpu_share),
+    # else half the cores each. A count given here is fixed (the engine leaves the budget). Measured
+    # on 2 cores before the budget: one fixed thread each gave ~20% more end-to-end throughput than
+    # two each, which mostly spun against each other.
     prefill_torch_threads: int = 0
     decode_torch_threads: int = 0
+    # Engines share the machine's cores by who has work (services/shell/cpu_share.py): before each
+    # step an engine takes all of its CPUs if no other engine of the deployment is busy, else an
+    # equal share, and `services up` no longer pins them to halves. Off with an explicit
+    # *_torch_threads (that count is kept). Measured figures in docs/engine.md ("CPUs").
+    cpu_share: bool = True
     # CPUs each engine service is pinned to (a Linux CPU list, "0-3,8"; "" = anywhere): the CPU
     # analogue of separate GPUs, so a prefill burst cannot take decode's cores. With a list and
     # threads 0, the engine uses one thread per listed CPU. See services/shell/cpus.py.

@@ -121,7 +121,8 @@ def test_a_given_cpu_list_even_empty_leaves_both_engines_as_configured(
     monkeypatch.delenv("BATON_PREFILL_CPUS", raising=False)
     monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
-    assert _engine_cpus(BatonConfig()) == {"prefill": "0,1", "decode": "2,3"}
-    assert _engine_cpus(BatonConfig(decode_cpus="3")) == {}
+    unshared = BatonConfig(cpu_share=False)  # sharing engines are never split
+    assert _engine_cpus(unshared) == {"prefill": "0,1", "decode": "2,3"}
+    assert _engine_cpus(BatonConfig(cpu_share=False, decode_cpus="3")) == {}
     monkeypatch.setenv("BATON_DECODE_CPUS", "")  # explicitly unpinned
-    assert _engine_cpus(BatonConfig()) == {}
+    assert _engine_cpus(unshared) == {}

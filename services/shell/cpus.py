@@ -6,13 +6,18 @@ disaggregation exists to prevent. ``BATON_PREFILL_CPUS`` / ``BATON_DECODE_CPUS``
 ``"0-3,8"``) give each engine its own cores, the CPU analogue of separate GPUs; the light services
 stay unpinned. Unset, a service may run anywhere.
 
-``python -m services up`` runs both engines on this machine, so unless either list is given it
-gives them the two halves of its CPUs (:func:`split_engine_cpus`). Measured on 2 cores (Zen 3,
-2026-12-04, Baton-only bench, three interleaved pairs, unpinned / halves): 2,507 / 2,653, 2,313
-/ 2,319, 2,283 / 2,442 tok/s, the three passes of a run within 2-8% of each other pinned against
-up to 25% unpinned (our reading, not traced: left alone, the kernel's balancer at times puts
-both engines on one core while the light services hold the other). An explicitly empty list
-(``BATON_DECODE_CPUS=``) keeps an engine unpinned.
+``python -m services up`` runs both engines on this machine. By default they are not pinned
+apart: they share every CPU and each takes, before a step, all of them while the other engine is
+idle and half while both are busy (``BATON_CPU_SHARE``, services/shell/cpu_share.py). Pinned to
+halves with one thread each (the default until 2026-12-05), a burst's prefill ran on one core
+while the other idled, then its decode did the same (Qwen2-0.5B shape, 16 x 128 -> 32 on 2
+cores: 3.5 s + 4.5 s); figures for both in docs/engine.md ("CPUs"). With ``BATON_CPU_SHARE=0``
+and neither list given, ``up`` still gives them the two halves of its CPUs
+(:func:`split_engine_cpus`; measured then on 2 cores, Zen 3, 2026-12-04, three interleaved pairs
+unpinned / halves: 2,507 / 2,653, 2,313 / 2,319, 2,283 / 2,442 tok/s, our reading: left alone
+the kernel's balancer at times put both one-thread engines on one core). Lists given, engines
+on the same set share it and engines on disjoint sets never halve each other (the table is per
+CPU set). An explicitly empty list (``BATON_DECODE_CPUS=``) keeps an engine unpinned.
 
 ``BATON_PREFILL_NICE`` / ``BATON_DECODE_NICE`` lower an engine's CPU priority where it shares
 cores (default 0): niced, decode never makes a first token's hops wait for its time slice, nor
@@ -65,7 +70,8 @@ def pin_engine(cpu_spec: str, torch_threads: int) -> int:
     """Pin this process to ``cpu_spec`` (if given) and return its torch thread count.
 
     ``torch_threads`` 0 means auto: every pinned CPU, or half the machine's cores unpinned (prefill
-    and decode then share them). Must run before torch starts its thread pool."""
+    and decode then share them; with BATON_CPU_SHARE the first step replaces the count). Must run
+    before torch starts its thread pool."""
     cpus = parse_cpu_list(cpu_spec)
     if cpus:
         available = os.sched_getaffinity(0)

@@ -29,6 +29,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.shell.broker import Outgoing
+from services.shell.cpu_share import CpuShareManager
 from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
 from services.shell.shell import ServiceShell, ack, detok_events, requeue
@@ -96,6 +97,9 @@ class EngineService(ABC):
         self._releases: deque[KVRelease] = deque()  # notices for KV this engine sent
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
+        # Set by the process that runs this service alone (services/__main__.py): the thread
+        # budget shared with the deployment's other engines. None: torch's count is left alone.
+        self.cpu_share: CpuShareManager | None = None
         self.shell.metrics.watch_device(config.device)
         self.shell.metrics.set_engine(engine.info)
         if engine.info.spill_store:
@@ -178,6 +182,8 @@ class EngineService(ABC):
         await self.prefetch.stop()
         await self.shell.stop()
         self.engine.close()
+        if self.cpu_share is not None:
+            self.cpu_share.close()
 
     async def wait_finished(self) -> None:
         await self.shell.wait_finished()
@@ -251,12 +257,22 @@ class EngineService(ABC):
                 if len(self.inbox) > 1:
                     await asyncio.sleep(self.batch_wait_s)
         self._take_in()
-        out = await asyncio.to_thread(self.engine.step)
+        out = await asyncio.to_thread(self._step)
         self._publish(out)
         self.load = out.load
         self.prefetch.want(self.window(out.load))
         if out.stats is None and self.engine.has_work() and not self._has_input():
             await self._wait(BUSY_WAIT_S)
+
+    def _step(self) -> StepOutput:
+        """One engine step, in the worker thread, at this engine's share of the cores."""
+        share = self.cpu_share
+        if share is None:
+            return self.engine.step()
+        out = share.run_step(self.engine.has_work(), self.engine.step)
+        if not self.engine.has_work():
+            share.idle()  # the other engines' next steps may take these cores
+        return out
 
     def wake(self) -> None:
         """Run the loop now (e.g. the policy reopened intake)."""
@@ -325,6 +341,10 @@ class EngineService(ABC):
         if out.stats is not None:
             stats = out.stats
             self.policy.observe_step(stats.forward_s, stats.num_seqs, stats.num_scheduled_tokens)
+            if self.cpu_share is not None:  # the cores each phase used (docs/engine.md, "CPUs")
+                m = self.shell.metrics.metrics
+                m.engine_threads.set(self.cpu_share.threads)
+                m.forward_thread_seconds.inc(stats.forward_s * self.cpu_share.threads)
         if out.releases:
             self.publish_releases(out.releases)
         if not out and not self.events:

@@ -254,6 +254,16 @@ class Metrics:
         self.forward_seconds = histogram(
             "forward_seconds", "Wall time of one model forward.", STEP_LATENCY_BUCKETS
         )
+        self.engine_threads = gauge(
+            "engine_threads",
+            "Torch threads of this engine's last forward: its share of the cores while other "
+            "engines are busy, all of them while it runs alone (BATON_CPU_SHARE).",
+        )
+        self.forward_thread_seconds = counter(
+            "forward_thread_seconds_total",
+            "Forward wall time x torch threads; over forward_seconds' sum it is the mean "
+            "number of cores a forward used (BATON_CPU_SHARE).",
+        )
         self.memory_bandwidth_bytes_per_second = gauge(
             "memory_bandwidth_bytes_per_second",
             "Estimated bytes read per decode step (weights + KV) / step time; divide by the "

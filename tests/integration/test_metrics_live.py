@@ -67,6 +67,13 @@ async def test_metrics_move_with_load(
     assert moved("decode", f"baton:handoff_seconds_count{{transport={transport}}}") == n
     assert moved("decode", f"baton:handoff_bytes_total{{transport={transport}}}") > 0
     assert "baton:kv_cache_usage_perc" in after["decode"]
+    # both engines took their thread counts from the shared budget: 1..all cores per forward
+    cores = len(os.sched_getaffinity(0))
+    for engine in ("prefill", "decode"):
+        used = moved(engine, "baton:forward_thread_seconds_total")
+        mean_threads = used / moved(engine, "baton:forward_seconds_sum")
+        assert 1 - 1e-9 <= mean_threads <= cores + 1e-9
+        assert 1 <= after[engine]["baton:engine_threads"] <= cores
     assert "baton:queue_depth{queue=baton.requests}" in after["decode"]
     assert after["decode"]["baton:num_requests_running"] == 0
     assert after["decode"]["baton:kv_blocks_used"] == 0

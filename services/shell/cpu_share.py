@@ -1,0 +1,132 @@
+"""A thread budget the engines of one deployment share: whoever has work gets the cores.
+
+Prefill and decode on one machine take turns more than they overlap (a burst's prefill, then its
+decode). Pinned to halves with one thread each, each phase ran on one core while the other idled
+(2 cores, Qwen2-0.5B shape, 16 x 128 -> 32: prefill 3.5 s, then decode 4.5 s, each on one core).
+Instead every engine runs on the whole CPU set and, before each step, takes a thread count from a
+table both see: all of its cores if no other engine of the deployment is busy, else an equal share
+(``budget``). The counts follow the work within one step (a decode step is ~0.1 s; a prefill step
+keeps the count it began with).
+
+The table is a small file in /dev/shm, one per deployment (broker host, port and vhost) and CPU
+set, so two stacks on one host never mix and engines pinned to disjoint sets never halve each
+other; it holds one slot per engine process: its pid, whether it is busy, and a heartbeat. A slot
+whose process is gone, or whose heartbeat is older than ``TTL_S`` (a hung engine), counts as idle
+and is reused. Writes of one's own slot are unlocked (a stale read costs one step at the wrong
+count); claiming a slot takes the file's lock.
+
+Measured (docs/engine.md "CPUs"): ``torch.set_num_threads`` costs ~0.1 us here, and it is called
+only when the count changes, in the thread that runs the step (OpenMP's thread count is a
+per-thread setting).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+T = TypeVar("T")
+SLOTS = 16
+SLOT = struct.Struct("<qqd")  # pid, busy, heartbeat (time.time())
+TABLE_BYTES = SLOTS * SLOT.size
+TTL_S = 30.0  # longer than any one step: a busy engine refreshes its heartbeat once per step
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+def table_path(amqp_url: str, cpus: frozenset[int], root: Path = SHM_DIR) -> Path:
+    """The table of the engines that share ``cpus`` behind the broker vhost of ``amqp_url``
+    (credentials left out: each service may log in as its own user)."""
+    url = urlsplit(amqp_url)
+    where = f"{url.hostname}:{url.port}{url.path or '/'}|{','.join(map(str, sorted(cpus)))}"
+    return root / f"baton-cpu-{hashlib.sha1(where.encode()).hexdigest()[:16]}"
+
+
+def fair_share(cores: int, others_busy: int) -> int:
+    """Threads for a busy engine with ``cores`` CPUs while ``others_busy`` others are busy."""
+    return max(1, cores // (others_busy + 1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process, alive
+        return True
+    return True
+
+
+class CpuShareManager:
+    """This engine process's slot in its deployment's table; ``budget`` before each step."""
+
+    def __init__(self, path: Path, cores: int, clock: Callable[[], float] = time.time) -> None:
+        self.path, self.cores, self.clock = path, cores, clock
+        self.pid = os.getpid()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_size < TABLE_BYTES:
+                os.ftruncate(fd, TABLE_BYTES)
+            self._map = mmap.mmap(fd, TABLE_BYTES)
+            self.slot = self._claim()
+            self._write(busy=False)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the map holds a duplicate of fd
+            os.close(fd)
+        self.threads = 0  # the count of the last step (set in the step's thread)
+
+    def _claim(self) -> int:
+        now = self.clock()
+        for i in range(SLOTS):
+            pid, _busy, beat = SLOT.unpack_from(self._map, i * SLOT.size)
+            if not self._live(pid, beat, now):  # free, or its engine gone
+                return i
+        raise RuntimeError(f"every slot of {self.path} is held by a live engine")
+
+    def _live(self, pid: int, beat: float, now: float) -> bool:
+        return pid != 0 and now - beat < TTL_S and _alive(pid)
+
+    def _write(self, busy: bool) -> None:
+        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, int(busy), self.clock())
+
+    def others_busy(self) -> int:
+        now = self.clock()
+        count = 0
+        for i in range(SLOTS):
+            if i == self.slot:
+                continue
+            pid, busy, beat = SLOT.unpack_from(self._map, i * SLOT.size)
+            count += bool(busy) and self._live(pid, beat, now)
+        return count
+
+    def budget(self, busy: bool) -> int:
+        """Mark this engine busy or idle (and alive) and return its thread count now."""
+        self._write(busy)
+        return fair_share(self.cores, self.others_busy()) if busy else self.cores
+
+    def run_step(self, busy: bool, step: Callable[[], T]) -> T:
+        """``step`` with this engine's budget as torch's thread count (set only when it changes);
+        call it in the thread that runs the step."""
+        threads = self.budget(busy)
+        if threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return step()
+
+    def idle(self) -> None:
+        self._write(busy=False)
+
+    def close(self) -> None:
+        """Give the slot back (a killed engine's slot expires instead). The map stays open: a
+        step may still be finishing in its thread."""
+        SLOT.pack_into(self._map, self.slot * SLOT.size, 0, 0, 0.0)

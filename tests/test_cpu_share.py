@@ -1,0 +1,100 @@
+"""The engines' shared thread budget (services/shell/cpu_share.py), on a real table file: alone an
+engine takes every core, busy together they split them, a dead or silent engine is ignored, and two
+deployments (or CPU sets) never see each other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.__main__ import _engine_cpus
+from services.shell.cpu_share import TTL_S, CpuShareManager, fair_share, table_path
+from shared.config import BatonConfig
+
+URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    return table_path(URL, frozenset({0, 1}), root=tmp_path)
+
+
+def test_an_engine_alone_takes_every_core_and_busy_engines_split_them(table: Path) -> None:
+    prefill, decode = CpuShareManager(table, 4), CpuShareManager(table, 4)
+    assert decode.budget(busy=True) == 4  # prefill idle
+    assert prefill.budget(busy=True) == 2  # decode busy: half
+    assert decode.budget(busy=True) == 2
+    prefill.idle()
+    assert decode.budget(busy=True) == 4  # and back
+    assert prefill.budget(busy=False) == 4  # an idle step holds no one back
+    assert decode.budget(busy=True) == 4
+
+
+def test_shares_round_down_but_never_to_zero() -> None:
+    assert [fair_share(2, n) for n in range(4)] == [2, 1, 1, 1]
+    assert fair_share(7, 1) == 3
+
+
+def test_an_expired_heartbeat_is_ignored_and_its_slot_reused(table: Path) -> None:
+    now = [1000.0]
+    hung = CpuShareManager(table, 2, clock=lambda: now[0])
+    decode = CpuShareManager(table, 2, clock=lambda: now[0])
+    hung.budget(busy=True)
+    assert decode.budget(busy=True) == 1
+    now[0] += TTL_S + 1  # the hung engine never steps again
+    assert decode.budget(busy=True) == 2
+    assert CpuShareManager(table, 2, clock=lambda: now[0]).slot == hung.slot
+
+
+def test_a_killed_engines_busy_slot_is_ignored(table: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path; from services.shell.cpu_share import "
+        "CpuShareManager; CpuShareManager(Path(sys.argv[1]), 2).budget(busy=True)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(table)], check=True, timeout=60)
+    decode = CpuShareManager(table, 2)  # the child exited busy, its heartbeat fresh
+    assert decode.budget(busy=True) == 2
+
+
+def test_two_deployments_and_disjoint_cpu_sets_never_mix(tmp_path: Path) -> None:
+    cpus = frozenset({0, 1})
+    a = CpuShareManager(table_path(URL, cpus, tmp_path), 2)
+    b = CpuShareManager(table_path(URL + "other", cpus, tmp_path), 2)
+    c = CpuShareManager(table_path(URL, frozenset({1}), tmp_path), 1)
+    assert a.budget(busy=True) == 2 and b.budget(busy=True) == 2 and c.budget(busy=True) == 1
+    # credentials are not part of the deployment: each service may log in as its own user
+    other_user = "amqp://decode:secret@127.0.0.1:5672/"
+    assert table_path(other_user, cpus, tmp_path) == table_path(URL, cpus, tmp_path)
+
+
+def test_a_closed_engine_gives_its_slot_back(table: Path) -> None:
+    prefill, decode = CpuShareManager(table, 2), CpuShareManager(table, 2)
+    prefill.budget(busy=True)
+    prefill.close()
+    assert decode.budget(busy=True) == 2
+
+
+def test_the_step_runs_at_the_budget(table: Path) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        other, me = CpuShareManager(table, 2), CpuShareManager(table, 2)
+        assert me.run_step(True, torch.get_num_threads) == 2
+        other.budget(busy=True)
+        assert me.run_step(True, torch.get_num_threads) == 1
+        assert me.threads == 1  # what the engine reports (baton:engine_threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATON_PREFILL_CPUS", raising=False)
+    monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert _engine_cpus(BatonConfig()) == {}
+    assert _engine_cpus(BatonConfig(cpu_share=False)) == {"prefill": "0,1", "decode": "2,3"}
