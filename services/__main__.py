@@ -119,7 +119,18 @@ def _shares_cpus(config: BatonConfig, name: str) -> bool:
     """Whether engine ``name`` takes its thread count from the shared budget: on a CPU device,
     unless its count is fixed (services/shell/cpu_share.py)."""
     fixed = getattr(config, f"{name}_torch_threads", 0) > 0
-    return config.cpu_share and config.device == "cpu" and not fixed
+    return _cpu_share_pays(config) and not fixed
+
+
+def _cpu_share_pays(config: BatonConfig) -> bool:
+    """Sharing is on, on a CPU, for a model whose steps are long enough to use a second thread
+    (``MIN_SHARED_WEIGHT_BYTES``); otherwise the engines keep the split."""
+    if not (config.cpu_share and config.device == "cpu"):
+        return False
+    from services.shell.common import resolve_model_dir
+    from services.shell.cpu_share import MIN_SHARED_WEIGHT_BYTES, layer_weight_bytes
+
+    return layer_weight_bytes(resolve_model_dir(config), config.dtype) >= MIN_SHARED_WEIGHT_BYTES
 
 
 def _engine_cpus(config: BatonConfig) -> dict[str, str]:
@@ -129,7 +140,7 @@ def _engine_cpus(config: BatonConfig) -> dict[str, str]:
     given = {"BATON_PREFILL_CPUS", "BATON_DECODE_CPUS"} & os.environ.keys()
     if config.prefill_cpus or config.decode_cpus or given:
         return {}
-    if config.cpu_share and config.device == "cpu":
+    if _cpu_share_pays(config):
         log.info("engines share every CPU by who has work (BATON_CPU_SHARE)")
         return {}
     split = split_engine_cpus(frozenset(os.sched_getaffinity(0)))

@@ -96,5 +96,28 @@ def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("BATON_PREFILL_CPUS", raising=False)
     monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    split = {"prefill": "0,1", "decode": "2,3"}
+    assert _engine_cpus(BatonConfig()) == split  # the tiny model: too small to share
+    monkeypatch.setattr("services.shell.cpu_share.MIN_SHARED_WEIGHT_BYTES", 0)  # "a big model"
     assert _engine_cpus(BatonConfig()) == {}
-    assert _engine_cpus(BatonConfig(cpu_share=False)) == {"prefill": "0,1", "decode": "2,3"}
+    assert _engine_cpus(BatonConfig(cpu_share=False)) == split
+
+
+def test_only_a_model_big_enough_shares_the_cores() -> None:
+    """The tiny and bench models keep the split (sharing cost the bench 18%); Qwen2-0.5B's shape,
+    in either dtype, shares."""
+    from services.shell.cpu_share import MIN_SHARED_WEIGHT_BYTES, layer_weight_bytes
+    from shared.config import DEFAULT_MODEL_DIR
+    from shared.models.tiny import ensure_tiny_model
+    from shared.models.tiny.builder import PRESETS
+
+    tiny = ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
+    assert layer_weight_bytes(tiny, "float32") < MIN_SHARED_WEIGHT_BYTES
+    p = PRESETS["qwen2-0.5b"]
+    q, kv = p.num_attention_heads * p.head_dim, p.num_key_value_heads * p.head_dim
+    per_layer = p.hidden_size * (2 * q + 2 * kv) + 3 * p.hidden_size * p.intermediate_size
+    assert p.num_hidden_layers * per_layer * 2 >= MIN_SHARED_WEIGHT_BYTES  # bf16 too
+    b = PRESETS["bench"]
+    q, kv = b.num_attention_heads * b.head_dim, b.num_key_value_heads * b.head_dim
+    per_layer = b.hidden_size * (2 * q + 2 * kv) + 3 * b.hidden_size * b.intermediate_size
+    assert b.num_hidden_layers * per_layer * 4 < MIN_SHARED_WEIGHT_BYTES

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import torch
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.shell.broker import Outgoing
@@ -341,10 +342,12 @@ class EngineService(ABC):
         if out.stats is not None:
             stats = out.stats
             self.policy.observe_step(stats.forward_s, stats.num_seqs, stats.num_scheduled_tokens)
-            if self.cpu_share is not None:  # the cores each phase used (docs/engine.md, "CPUs")
-                m = self.shell.metrics.metrics
-                m.engine_threads.set(self.cpu_share.threads)
-                m.forward_thread_seconds.inc(stats.forward_s * self.cpu_share.threads)
+            # The cores each phase used (docs/engine.md, "CPUs"): the shared budget's count, or
+            # the fixed one of a pinned engine.
+            threads = self.cpu_share.threads if self.cpu_share else torch.get_num_threads()
+            m = self.shell.metrics.metrics
+            m.engine_threads.set(threads)
+            m.forward_thread_seconds.inc(stats.forward_s * threads)
         if out.releases:
             self.publish_releases(out.releases)
         if not out and not self.events:
