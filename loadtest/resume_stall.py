@@ -106,17 +106,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm") as spill:
         cfg = BatonConfig(model=str(args.model), num_kv_blocks=blocks // 16 + 16, spill_dir=spill,
                           max_num_seqs=args.batch + args.resumes)  # fmt: skip
-        for r in range(args.rounds):
-            for prefetch in (r % 2 == 1, r % 2 == 0):  # off/on, then on/off: order effects cancel
+        for round_ in range(args.rounds):
+            # off/on, then on/off: order effects cancel
+            for prefetch in (round_ % 2 == 1, round_ % 2 == 0):
                 rows.append(run(cfg.replace(decode_kv_prefetch=prefetch), args.model, args))
                 print(json.dumps(rows[-1]))
     print(
         f"\n{'prefetch':>8} {'steady ms':>10} {'admit-step stall ms':>20} "
         f"{'next-step stall ms':>19}"
     )
-    for r in rows:
-        print(f"{r['prefetch']!s:>8} {r['steady_step_ms']:10.1f} {r['admit_stall_ms']:20.1f} "
-              f"{r['next_stall_ms']:19.1f}")  # fmt: skip
+    for row in rows:
+        print(f"{row['prefetch']!s:>8} {row['steady_step_ms']:10.1f} {row['admit_stall_ms']:20.1f} "
+              f"{row['next_stall_ms']:19.1f}")  # fmt: skip
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = vars(args) | {"model": str(args.model), "out": str(args.out)}
