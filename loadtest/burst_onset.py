@@ -12,62 +12,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.reply_log import ReplyLog
+from loadtest.reply_log import TimedReplies
 from services.launcher import LocalSystem, fresh_vhost
-from shared.config import BatonConfig
-from shared.wire.messages import RequestMsg, SamplingParams, decode_reply
+from shared.wire.messages import RequestMsg, SamplingParams
 
 FLOOD = 400
 FLOOD_OUTPUT = 128
 VIP_OUTPUT = 8
 SAMPLES = 30
 BURST_LEAD_S = 1.5
-
-
-class TimedReplies(ReplyLog):
-    """A reply log that also notes when each request was sent, first answered and finished."""
-
-    def __init__(self, amqp_url: str) -> None:
-        super().__init__(amqp_url)
-        self.sent: dict[str, float] = {}
-        self.first: dict[str, float] = {}
-        self.last: dict[str, float] = {}
-
-    async def _on_reply(self, message: Any) -> None:
-        now = time.monotonic()
-        reply = decode_reply(message.body, BatonConfig().max_message_bytes)
-        self.first.setdefault(reply.request_id, now)
-        if reply.type != "token":
-            self.last.setdefault(reply.request_id, now)
-        await super()._on_reply(message)
-
-    async def send(self, msgs: Any) -> list[str]:
-        msgs = list(msgs)
-        now = time.monotonic()
-        for m in msgs:
-            self.sent[m.request_id] = now
-        return await super().send(msgs)
-
-    def ttft(self, request_id: str) -> float:
-        return self.first[request_id] - self.sent[request_id]
-
-    def e2e(self, request_id: str) -> float:
-        return self.last[request_id] - self.sent[request_id]
-
-    async def one(self, msg: RequestMsg, timeout_s: float = 60.0) -> str:
-        """Send ``msg`` and wait for its terminal reply."""
-        [rid] = await self.send([msg])
-        deadline = time.monotonic() + timeout_s
-        while not self.terminals(rid):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{rid} unanswered after {timeout_s} s")
-            await asyncio.sleep(0.002)
-        return rid
 
 
 def request(tag: str, priority: int, max_tokens: int, stream: bool) -> RequestMsg:

@@ -216,3 +216,44 @@ def judge(replies: list[Any], reference: list[int] | None, counts: Counts) -> No
     counts.missing_positions += len(set(range(len(done.token_ids))) - seen)
     counts.text_mismatches += text != done.text
     counts.wrong_tokens += reference is not None and done.token_ids != reference
+
+
+class TimedReplies(ReplyLog):
+    """A reply log that also notes when each request was sent, first answered and finished."""
+
+    def __init__(self, amqp_url: str) -> None:
+        super().__init__(amqp_url)
+        self.sent: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    async def _on_reply(self, message: Any) -> None:
+        now = time.monotonic()
+        reply = decode_reply(message.body, BatonConfig().max_message_bytes)
+        self.first.setdefault(reply.request_id, now)
+        if reply.type != "token":
+            self.last.setdefault(reply.request_id, now)
+        await super()._on_reply(message)
+
+    async def send(self, msgs: Any) -> list[str]:
+        msgs = list(msgs)
+        now = time.monotonic()
+        for m in msgs:
+            self.sent[m.request_id] = now
+        return await super().send(msgs)
+
+    def ttft(self, request_id: str) -> float:
+        return self.first[request_id] - self.sent[request_id]
+
+    def e2e(self, request_id: str) -> float:
+        return self.last[request_id] - self.sent[request_id]
+
+    async def one(self, msg: RequestMsg, timeout_s: float = 60.0) -> str:
+        """Send ``msg`` and wait for its terminal reply."""
+        [rid] = await self.send([msg])
+        deadline = time.monotonic() + timeout_s
+        while not self.terminals(rid):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{rid} unanswered after {timeout_s} s")
+            await asyncio.sleep(0.002)
+        return rid

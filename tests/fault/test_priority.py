@@ -33,16 +33,15 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import aio_pika
 import pytest
 import pytest_asyncio
 
-from shared.config import BatonConfig
-from shared.wire.messages import DoneReply, RequestMsg, SamplingParams, decode_reply
+from loadtest.reply_log import TimedReplies
+from shared.wire.messages import DoneReply, RequestMsg, SamplingParams
 from shared.wire.queues import DECODE_QUEUE
-from tests.fault.harness import ReplyLog, scrape, service_processes
+from tests.fault.harness import scrape, service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,37 +55,6 @@ ENV = {
     "BATON_DETOK_STANDBY_DELAY_S": "0.1",
 }
 FIRST_TOKENS = "baton:generation_tokens_total"  # at prefill: one per prefilled prompt
-
-
-class TimedReplies(ReplyLog):
-    """A reply log that also notes when each request was sent, first answered and finished."""
-
-    def __init__(self, amqp_url: str) -> None:
-        super().__init__(amqp_url)
-        self.sent: dict[str, float] = {}
-        self.first: dict[str, float] = {}
-        self.last: dict[str, float] = {}
-
-    async def _on_reply(self, message: Any) -> None:
-        now = time.monotonic()
-        reply = decode_reply(message.body, BatonConfig().max_message_bytes)
-        self.first.setdefault(reply.request_id, now)
-        if reply.type != "token":
-            self.last.setdefault(reply.request_id, now)
-        await super()._on_reply(message)
-
-    async def send(self, msgs: Any) -> list[str]:
-        msgs = list(msgs)
-        now = time.monotonic()
-        for m in msgs:
-            self.sent[m.request_id] = now
-        return await super().send(msgs)
-
-    def ttft(self, request_id: str) -> float:
-        return self.first[request_id] - self.sent[request_id]
-
-    def e2e(self, request_id: str) -> float:
-        return self.last[request_id] - self.sent[request_id]
 
 
 def request(tag: str, priority: int, max_tokens: int, stream: bool) -> RequestMsg:
