@@ -147,11 +147,6 @@ class BatonConfig:
     # Messages the tokenizer works on at once: few, so that the broker, not the tokenizer, holds
     # a flood and a high-priority request overtakes it there.
     tokenizer_prefetch: int = 8
-    # The urgent lane (docs/scheduling.md, "Depth and the burst onset"): a prompt whose priority
-    # on the wire is at least this goes to baton.prefill.urgent, which prefill consumes on a
-    # channel of its own, so a prefetch window full of a burst's low-priority prompts never
-    # holds it in the broker. 0: no lane (everything to baton.prefill).
-    urgent_priority: int = 9
     # Aging: a waiting request gains priority with its wait. Once it has waited
     # priority_aging_multiple x the median wait of recent requests at that stage (never less than
     # priority_aging_min_s), a priority-0 request ranks with a fresh priority-9 one, and ahead of

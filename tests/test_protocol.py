@@ -411,17 +411,3 @@ def test_batch_replies_is_sent_only_when_asked_and_parsed_as_a_boolean() -> None
     assert parse_request(plain_body, BatonConfig()).batch_replies is False
     with pytest.raises(ProtocolError, match="batch_replies must be a boolean"):
         parse_request(pack({"request_id": "r", "prompt": "hi", "batch_replies": 1}), BatonConfig())
-
-
-def test_only_the_top_band_goes_to_prefills_urgent_lane() -> None:
-    from services.shell.polling import with_lanes_merged
-    from shared.wire.queues import PREFILL_QUEUE, PREFILL_URGENT_QUEUE, prefill_queue_for
-
-    assert [prefill_queue_for(p, 9) for p in (0, 8, 9)] == [
-        PREFILL_QUEUE,
-        PREFILL_QUEUE,
-        PREFILL_URGENT_QUEUE,
-    ]
-    assert prefill_queue_for(9, 0) == PREFILL_QUEUE  # 0: no lane
-    merged = with_lanes_merged({PREFILL_QUEUE: 5, PREFILL_URGENT_QUEUE: 2, "baton.decode": 1})
-    assert merged[PREFILL_QUEUE] == 7 and merged["baton.decode"] == 1

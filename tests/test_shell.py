@@ -24,13 +24,7 @@ from services.shell.registry import METRICS_ENDPOINTS, NAMES, PIPELINE, SERVICES
 from shared.client import BatonClient
 from shared.config import BatonConfig
 from shared.wire.messages import ControlMsg, DoneReply, PrefillMsg, TokenReply
-from shared.wire.queues import (
-    CONTROL_EXCHANGE,
-    DECODE_QUEUE,
-    PREFILL_QUEUE,
-    PREFILL_URGENT_QUEUE,
-    REQUESTS_QUEUE,
-)
+from shared.wire.queues import CONTROL_EXCHANGE, DECODE_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE
 from shared.wire.validation import parse_request
 from tests.fault.harness import service_processes
 
@@ -165,22 +159,15 @@ async def test_tokenizer_counts_redeliveries_and_applies_the_priority_rule(vhost
         await tokenizer.start()
         try:
             forwarded: dict[str, tuple[PrefillMsg, int | None]] = {}
-            # Priority 9 on the wire goes to prefill's urgent lane (docs/scheduling.md).
-            lanes = [
-                await channel.declare_queue(q, passive=True)
-                for q in (PREFILL_QUEUE, PREFILL_URGENT_QUEUE)
-            ]
+            prefill = await channel.declare_queue(PREFILL_QUEUE, passive=True)
             deadline = time.monotonic() + 30
             while len(forwarded) < len(cases) and time.monotonic() < deadline:
-                for lane in lanes:
-                    got = await lane.get(no_ack=True, fail=False)
-                    if got is not None:
-                        msg = PrefillMsg.decode(got.body, CONFIG.max_message_bytes)
-                        forwarded[msg.request_id] = (msg, got.priority)
-                        assert (lane.name == PREFILL_URGENT_QUEUE) == (got.priority == 9)
-                        break
-                else:
+                got = await prefill.get(no_ack=True, fail=False)
+                if got is None:
                     await asyncio.sleep(0.05)
+                    continue
+                msg = PrefillMsg.decode(got.body, CONFIG.max_message_bytes)
+                forwarded[msg.request_id] = (msg, got.priority)
             registry = tokenizer.shell.metrics.metrics.registry
             counted = registry.get_sample_value(
                 "baton:redelivered_messages_total", {"queue": REQUESTS_QUEUE}

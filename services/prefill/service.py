@@ -21,20 +21,18 @@ from collections.abc import Callable
 
 from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
-from services.shell.polling import with_lanes_merged
 from shared.config import BatonConfig
 from shared.engine.build import build_prefill_engine
 from shared.engine.prefill import PrefillEngine
 from shared.scheduling.load import EngineLoad
 from shared.scheduling.policy import Intake, prefill_window_cap
 from shared.wire.messages import PrefillMsg
-from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE, PREFILL_URGENT_QUEUE
+from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE
 
 
 class PrefillService(EngineService):
     name = "prefill"
     queue = PREFILL_QUEUE
-    urgent_queue = PREFILL_URGENT_QUEUE
     message_type = PrefillMsg
 
     def __init__(self, config: BatonConfig, engine: PrefillEngine) -> None:
@@ -47,10 +45,8 @@ class PrefillService(EngineService):
         # The shell's poller feeds the policy (the spill store's size only with a spill store).
         poller = self.shell.poller
         poller.on_depths(
-            (PREFILL_QUEUE, PREFILL_URGENT_QUEUE, DECODE_QUEUE),
-            lambda depths: self._apply(
-                lambda: self.policy.observe_depths(with_lanes_merged(depths))
-            ),
+            (PREFILL_QUEUE, DECODE_QUEUE),
+            lambda depths: self._apply(lambda: self.policy.observe_depths(depths)),
         )
         poller.on_spill(lambda used: self._apply(lambda: self.policy.observe_spill(used)))
 
@@ -62,11 +58,6 @@ class PrefillService(EngineService):
         self.prefetch.want(self.window(self.load))
         if self.intake_open() and not was_open:
             self.wake()
-
-    def lane_prefetch(self) -> int:
-        """The urgent lane's window: the largest main window, so that urgent work alone keeps
-        the engine as busy as the main lane would (the lane is ordered by priority too)."""
-        return prefill_window_cap(self.config)
 
     def window(self, load: EngineLoad) -> int:
         policy = self.policy

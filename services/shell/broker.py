@@ -87,7 +87,6 @@ class Broker:
         # The robust channel restores its queues (re-declare, re-consume) after a reconnect or a
         # server-side consumer cancel (a deleted queue) from a WeakSet: hold them here.
         self._queues: list[AbstractQueue] = []
-        self._lanes: list[AbstractChannel] = []  # consume channels of their own (``consume``)
         # Stamped on every message (the broker refuses a user_id that is not the connection's),
         # so consumers can tell which service published it (BatonConfig.trusted_publishers).
         self.user = url_username(config.amqp_url)
@@ -232,20 +231,11 @@ class Broker:
         # Stamped: services honour an ``abort`` only from a trusted publisher (control_auth.py).
         await self._control.publish(aio_pika.Message(body, user_id=self.user), routing_key="")
 
-    async def consume(
-        self, queue_name: str, handler: Handler, prefetch: int | None = None
-    ) -> tuple[AbstractQueue, str]:
-        """Start consuming a work queue (manual acks); returns the queue and the consumer tag.
-        ``prefetch``: on a channel of its own with that fixed window, outside the consume
-        channel's (a lane that the main window, full, must not hold back)."""
-        assert self._connection is not None and self._sub is not None, "connect() first"
-        channel = self._sub
-        if prefetch is not None:
-            channel = await self._connection.channel(publisher_confirms=False)
-            await channel.set_qos(prefetch_count=prefetch)
-            self._lanes.append(channel)
+    async def consume(self, queue_name: str, handler: Handler) -> tuple[AbstractQueue, str]:
+        """Start consuming a work queue (manual acks); returns the queue and the consumer tag."""
+        assert self._sub is not None, "connect() first"
         args = queue_arguments(queue_name)
-        queue = await channel.declare_queue(queue_name, durable=True, arguments=args)
+        queue = await self._sub.declare_queue(queue_name, durable=True, arguments=args)
         tag = await queue.consume(handler, no_ack=False)
         self._queues.append(queue)
         return queue, tag

@@ -68,9 +68,6 @@ class Intake:
 class EngineService(ABC):
     name: str
     queue: str
-    # A second queue of the same work, consumed on a channel of its own with a fixed window
-    # (``lane_prefetch``): what a full main window must not hold back in the broker.
-    urgent_queue: str | None = None
     message_type: type[PrefillMsg] | type[HandoffMsg]
 
     def __init__(
@@ -163,17 +160,6 @@ class EngineService(ABC):
         if route is not None:  # a pooled sender: receivers tell it when its pins may go
             await self.shell.broker.consume_private(kv_release_queue(route), self._on_release)
         await self.shell.consume(self.queue, self._on_delivery, on_poison=self._answer_poison)
-        if self.urgent_queue is not None:
-            await self.shell.consume(
-                self.urgent_queue,
-                self._on_delivery,
-                on_poison=self._answer_poison,
-                prefetch=self.lane_prefetch(),
-            )
-
-    def lane_prefetch(self) -> int:
-        """The urgent lane's fixed window (the subclass that has a lane says)."""
-        return 1
 
     async def stop(self) -> None:
         if self._loop is not None:

@@ -52,7 +52,6 @@ from shared.wire.queues import (
     DECODE_QUEUE,
     DETOK_QUEUE_PREFIX,
     PREFILL_QUEUE,
-    PREFILL_URGENT_QUEUE,
     REQUESTS_QUEUE,
     WORK_QUEUES,
     detok_queues,
@@ -116,9 +115,7 @@ _CLIENT = Permissions(
 )
 ROLES: dict[str, Permissions] = {
     "tokenizer": _service((lit(REQUESTS_QUEUE),)),
-    "prefill": _service(
-        (lit(PREFILL_QUEUE), lit(PREFILL_URGENT_QUEUE), KV_RELEASE), configure=(KV_RELEASE,)
-    ),
+    "prefill": _service((lit(PREFILL_QUEUE), KV_RELEASE), configure=(KV_RELEASE,)),
     "decode": _service((lit(DECODE_QUEUE),)),
     "detokenizer": _service((DETOK,), writes=(lit(CONTROL_EXCHANGE),)),
     "gateway": _CLIENT,

@@ -25,7 +25,6 @@ import structlog
 from services.shell.broker import Broker
 from services.shell.service_metrics import ServiceMetrics
 from shared.config import BatonConfig
-from shared.wire.queues import PREFILL_QUEUE, PREFILL_URGENT_QUEUE
 
 log = structlog.get_logger(__name__)
 
@@ -33,17 +32,6 @@ METRICS_INTERVAL_S = 2.0
 SPILL_MIN_INTERVAL_S = 1.0  # a folder scan: not more often for the policy either
 
 DepthsListener = Callable[[Mapping[str, int]], None]
-
-
-def with_lanes_merged(depths: Mapping[str, int]) -> dict[str, int]:
-    """``depths`` with prefill's urgent lane counted into ``baton.prefill``: the policy's prefill
-    backlog is both (admission, the short-prompt boost)."""
-    merged = dict(depths)
-    if PREFILL_QUEUE in merged or PREFILL_URGENT_QUEUE in merged:
-        merged[PREFILL_QUEUE] = merged.get(PREFILL_QUEUE, 0) + merged.get(PREFILL_URGENT_QUEUE, 0)
-    return merged
-
-
 SpillListener = Callable[[int], None]
 
 

@@ -122,18 +122,12 @@ class ServiceShell:
 
     # --- intake ---------------------------------------------------------------------------------
     async def consume(
-        self,
-        queue: str,
-        handler: Handler,
-        *,
-        on_poison: PoisonHandler | None = None,
-        prefetch: int | None = None,
+        self, queue: str, handler: Handler, *, on_poison: PoisonHandler | None = None
     ) -> None:
         """Consume ``queue``. With ``on_poison``, redeliveries are counted (see
         :meth:`_count_redelivery`) and a message whose deliveries failed
         ``max_delivery_failures`` times is given to
-        ``on_poison`` (to answer its request) and dead-lettered to ``baton.dead``. ``prefetch``:
-        on a channel of its own with that fixed window (``Broker.consume``)."""
+        ``on_poison`` (to answer its request) and dead-lettered to ``baton.dead``."""
 
         async def on_delivery(delivery: AbstractIncomingMessage) -> None:
             if checked and delivery.user_id not in self._trusted:
@@ -162,7 +156,7 @@ class ServiceShell:
         # Clients write only baton.requests; every other queue carries work between services.
         checked = bool(self._trusted) and queue != REQUESTS_QUEUE
         if not self.draining:  # a drain that came during start-up: never begin
-            self._consumers.append(await self.broker.consume(queue, on_delivery, prefetch))
+            self._consumers.append(await self.broker.consume(queue, on_delivery))
 
     async def _count_redelivery(
         self, queue: str, delivery: AbstractIncomingMessage, on_poison: PoisonHandler

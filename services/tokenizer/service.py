@@ -28,7 +28,6 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.shell.broker import Outgoing
 from services.shell.common import resolve_model_dir
-from services.shell.polling import with_lanes_merged
 from services.shell.shell import ServiceShell
 from services.tokenizer.core import PromptEncoder
 from shared.config import BatonConfig
@@ -44,14 +43,7 @@ from shared.wire.messages import (
     StartInfo,
     TokenEvent,
 )
-from shared.wire.queues import (
-    DECODE_QUEUE,
-    PREFILL_QUEUE,
-    PREFILL_URGENT_QUEUE,
-    REQUESTS_QUEUE,
-    detok_queue_for,
-    prefill_queue_for,
-)
+from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE, detok_queue_for
 from shared.wire.validation import parse_request
 
 log = structlog.get_logger(__name__)
@@ -72,9 +64,7 @@ class TokenizerService:
             config, self.name, prefetch=self.policy.tokenizer_prefetch(), transactional=True
         )
         self.shell.metrics.on_prefetch(self.policy.tokenizer_prefetch(), changed=False)
-        self.shell.poller.on_depths(
-            (PREFILL_QUEUE, PREFILL_URGENT_QUEUE, DECODE_QUEUE), self._observe_depths
-        )
+        self.shell.poller.on_depths((PREFILL_QUEUE, DECODE_QUEUE), self._observe_depths)
 
     async def start(self) -> None:
         # No per-request control: the detokenizer answers cancels. The shell takes the first
@@ -89,7 +79,7 @@ class TokenizerService:
         await self.shell.wait_finished()
 
     def _observe_depths(self, depths: Mapping[str, int]) -> None:
-        self.policy.observe_depths(with_lanes_merged(depths))
+        self.policy.observe_depths(depths)
         self.priorities.observe_backlog(self.policy.prefill_backlog)
         self.shell.metrics.on_priorities(self.priorities.state())
 
@@ -170,17 +160,16 @@ class TokenizerService:
         # broker routes it first; a token event that still overtakes it waits in the
         # detokenizer for its registration (services/detokenizer/core.py, orphan events).
         detok = detok_queue_for(req.request_id, self.config.detok_shards)
-        prefill = prefill_queue_for(wire, self.config.urgent_priority)
         outs = [
             Outgoing(detok, DetokMsg(starts=[start]).encode()),
-            Outgoing(prefill, work.encode(), priority=wire),
+            Outgoing(PREFILL_QUEUE, work.encode(), priority=wire),
         ]
         try:
             await self.shell.commit(outs, acks=[message])
         except Exception as exc:  # not committed: the request comes again
             log.warning("request not committed", request_id=req.request_id, error=repr(exc))
             return
-        self.shell.metrics.on_published(prefill, req.priority, wire, "short_prompt")
+        self.shell.metrics.on_published(PREFILL_QUEUE, req.priority, wire, "short_prompt")
         self.shell.metrics.on_accepted(len(token_ids))
         log.debug("request accepted", request_id=req.request_id, prompt_tokens=len(token_ids))
 

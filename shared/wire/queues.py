@@ -14,13 +14,9 @@ from shared.wire.priority import MAX_PRIORITY
 
 REQUESTS_QUEUE = "baton.requests"
 PREFILL_QUEUE = "baton.prefill"
-# Internal (not part of the client contract): prefill's urgent lane, the prompts whose wire
-# priority reaches ``BatonConfig.urgent_priority``. Prefill consumes it on a channel of its own,
-# apart from the window that a burst fills (docs/scheduling.md, "Depth and the burst onset").
-PREFILL_URGENT_QUEUE = "baton.prefill.urgent"
 DECODE_QUEUE = "baton.decode"
 # The work queues proper: priority queues that any worker of the stage may take from.
-WORK_QUEUES = (REQUESTS_QUEUE, PREFILL_QUEUE, PREFILL_URGENT_QUEUE, DECODE_QUEUE)
+WORK_QUEUES = (REQUESTS_QUEUE, PREFILL_QUEUE, DECODE_QUEUE)
 CONTROL_EXCHANGE = "baton.control"
 DEAD_LETTER_EXCHANGE = "baton.dlx"
 DEAD_LETTER_QUEUE = "baton.dead"
@@ -64,14 +60,7 @@ def detok_queue_for(request_id: str, num_shards: int) -> str:
 
 def internal_queues(num_shards: int) -> tuple[str, ...]:
     """Every queue that carries work between services (all but ``baton.requests``)."""
-    return (PREFILL_QUEUE, PREFILL_URGENT_QUEUE, DECODE_QUEUE, *detok_queues(num_shards))
-
-
-def prefill_queue_for(wire_priority: int, urgent_priority: int) -> str:
-    """Where the tokenizer sends a prompt: the urgent lane from ``urgent_priority`` on (0: no
-    lane)."""
-    urgent = 0 < urgent_priority <= wire_priority
-    return PREFILL_URGENT_QUEUE if urgent else PREFILL_QUEUE
+    return (PREFILL_QUEUE, DECODE_QUEUE, *detok_queues(num_shards))
 
 
 def queue_arguments(name: str) -> dict[str, Any]:

@@ -1,11 +1,10 @@
 """The first high-priority request into a burst, every service a real process on the real RabbitMQ.
 
 400 priority-0 requests (32-token prompts, 128 output tokens, not streamed) are published at
-once; 1.5 s later one priority-9 request (32 tokens, 8 out). Before the urgent lane
-(docs/scheduling.md, "Depth and the burst onset") that request waited in the broker behind
-prefill's prefetch window, full of the burst's prompts: 0.8-0.9 s in the issue's runs (62-92x
-its idle p99), 0.1-3.2 s in this machine's. With the lane it is delivered on its own channel and
-ranks first in prefill's waiting queue: its first token needs one forward, as when idle.
+once; 1.5 s later one priority-9 request (32 tokens, 8 out). The issue measured it waiting
+0.8-0.9 s (62-92x its idle p99); on this machine it waited 0.1-3.2 s only when the burst was
+younger (0.5 s) — by 1.5 s the burst's prompts are prefilled (docs/scheduling.md, "Depth and the
+burst onset").
 
 What is checked is ordering, not speed, against the flood requests still unanswered when the
 priority-9 request was sent (a request queued behind the burst's prefetched prompts would come
