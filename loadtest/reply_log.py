@@ -138,6 +138,19 @@ class ReplyLog:
                 pass
         await asyncio.sleep(1.0)
 
+    async def until_unanswered(self, ids: list[str], at_most: int, timeout_s: float) -> None:
+        """Until at most ``at_most`` of ``ids`` lack a terminal reply, or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while sum(not self.terminals(rid) for rid in ids) > at_most:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
     async def wait_streaming(self, ids: list[str], min_tokens: int, timeout_s: float) -> None:
         """Until some of ``ids`` has streamed ``min_tokens`` (generation is under way)."""
         deadline = time.monotonic() + timeout_s
