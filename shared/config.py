@@ -114,8 +114,11 @@ class BatonConfig:
     # Token budget of one prefill forward (short prompts batched, long ones chunked to fit).
     max_num_batched_tokens: int = 2048
     prefill_max_num_seqs: int = 64
-    # How long prefill waits to fill a batch once it has one request (seconds).
-    prefill_batch_wait_s: float = 0.004
+    # Prefill waking to more than one request waits for the rest of the burst: until no new
+    # one has come for prefill_batch_wait_s, at most prefill_batch_wait_max_s (seconds). A lone
+    # request does not wait.
+    prefill_batch_wait_s: float = 0.01
+    prefill_batch_wait_max_s: float = 0.05
     # --- decode scheduling --------------------------------------------------------------------
     max_num_seqs: int = 128
     # How decode preempts when KV blocks run short: "swap" copies the victim's KV to the spill

@@ -40,7 +40,7 @@ class PrefillService(EngineService):
             config,
             engine,
             prefetch=prefill_window_cap(config),
-            batch_wait_s=config.prefill_batch_wait_s,
+            batch_wait=(config.prefill_batch_wait_s, config.prefill_batch_wait_max_s),
         )
         # The shell's poller feeds the policy (the spill store's size only with a spill store).
         poller = self.shell.poller

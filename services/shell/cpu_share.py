@@ -132,12 +132,13 @@ class CpuShareManager:
     def run_step(self, busy: bool, step: Callable[[], T]) -> T:
         """``step`` with this engine's budget as torch's thread count (set only when it changes);
         call it in the thread that runs the step."""
-        threads = self.budget(busy)
-        if threads != self.threads:
-            import torch
+        import torch
 
+        threads = self.budget(busy)
+        # Compared with this thread's own count, not the last one set: the count is per thread.
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            self.threads = threads
+        self.threads = threads
         return step()
 
     def idle(self) -> None:

@@ -22,6 +22,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,15 +76,16 @@ class EngineService(ABC):
         config: BatonConfig,
         engine: EngineCore,
         prefetch: int,
-        batch_wait_s: float = 0.0,
+        batch_wait: tuple[float, float] = (0.0, 0.0),
         event_hold_s: float = 0.0,
     ) -> None:
         """``prefetch``: the largest window this service ever wants (the per-consumer cap); the
-        policy's answer (``window``) moves it below that after each step. ``event_hold_s``: how
-        long a step's token events may wait to share a message with later steps' (event_hold.py)."""
+        policy's answer (``window``) moves it below that after each step. ``batch_wait``: the
+        quiet gap and the cap of :meth:`_gather` (seconds). ``event_hold_s``: how long a step's
+        token events may wait to share a message with later steps' (event_hold.py)."""
         self.config = config
         self.engine = engine
-        self.batch_wait_s = batch_wait_s  # after waking from idle: let neighbours join the batch
+        self.batch_wait_s, self.batch_wait_max_s = batch_wait
         self.events = EventHold(event_hold_s)
         self.shell = ServiceShell(config, self.name, prefetch)
         self.policy = SchedulingPolicy(config)
@@ -98,6 +100,12 @@ class EngineService(ABC):
         # Set by the process that runs this service alone (services/__main__.py): the thread
         # budget shared with the deployment's other engines. None: torch's count is left alone.
         self.cpu_share: CpuShareManager | None = None
+        # Every step on one thread of its own. torch's thread count (OpenMP's) is a setting of
+        # the calling thread, and each calling thread keeps its own OpenMP team: steps spread
+        # over asyncio's shared pool (asyncio.to_thread; the spill poller uses it too) ran at
+        # whatever count that worker last had — decode alone at 1 of 2 budgeted threads, 85-88
+        # vs 48 ms a step at the qwen2-0.5b shape, bf16, 2026-12-05.
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-step")
         self.shell.metrics.watch_device(config.device)
         self.shell.metrics.set_engine(engine.info)
         if engine.info.spill_store:
@@ -168,6 +176,8 @@ class EngineService(ABC):
                 await self._loop
         await self.prefetch.stop()
         await self.shell.stop()
+        # A step still running finishes before the engine closes under it.
+        await asyncio.get_running_loop().run_in_executor(None, self._stepper.shutdown)
         self.engine.close()
         if self.cpu_share is not None:
             self.cpu_share.close()
@@ -237,19 +247,37 @@ class EngineService(ABC):
         if not self.engine.has_work() and not self._has_input():
             await self._wait(IDLE_WAIT_S)
             if self._has_input() and self.batch_wait_s > 0:
-                await asyncio.sleep(0)  # take in what the socket already holds
-                # A burst (more than one request already here) waits for the rest of it to join
-                # the batch; a lone request on an idle engine does not wait for company that is
-                # not coming (the wait was ~40% of a 1-token request's pipeline overhead).
-                if len(self.inbox) > 1:
-                    await asyncio.sleep(self.batch_wait_s)
+                await self._gather()
         self._take_in()
-        out = await asyncio.to_thread(self._step)
+        out = await asyncio.get_running_loop().run_in_executor(self._stepper, self._step)
         self._publish(out)
         self.load = out.load
         self.prefetch.want(self.window(out.load))
         if out.stats is None and self.engine.has_work() and not self._has_input():
             await self._wait(BUSY_WAIT_S)
+
+    async def _gather(self) -> None:
+        """On waking to work: a burst (more than one request already here) waits for the rest
+        of it to join the first batch, until none has come for ``batch_wait_s`` (at most
+        ``batch_wait_max_s``); a lone request does not wait for company that is not coming (the
+        wait was ~40% of a 1-token request's pipeline overhead).
+
+        Why until quiet, not one fixed gap: a burst of 16 reached prefill over tens of ms
+        (each request tokenized and published in turn), so one 4 ms gap started the first
+        wave with 3 of them; decode then began those 3 while prefill ran the other 13, each
+        on half the cores (qwen2-0.5b shape, fp32: TTFT p50 7.3 s for the 13, 2026-12-05).
+        The tokenizer's transactions deliver a burst in clusters ~4-6 ms apart, hence the
+        default gap of 10 ms (prefill_batch_wait_s)."""
+        await asyncio.sleep(0)  # take in what the socket already holds
+        if len(self.inbox) <= 1:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.batch_wait_max_s
+        while True:
+            seen = len(self.inbox)
+            await asyncio.sleep(min(self.batch_wait_s, max(0.0, deadline - loop.time())))
+            if len(self.inbox) == seen or loop.time() >= deadline:
+                return
 
     def _step(self) -> StepOutput:
         """One engine step, in the worker thread, at this engine's share of the cores."""
