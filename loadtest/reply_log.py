@@ -7,10 +7,11 @@ client: exactly one terminal reply per request, and each stream position once, i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,33 +124,28 @@ class ReplyLog:
         replies = self.replies.get(request_id, [])
         return sum(len(r.token_ids) for r in replies if isinstance(r, TokenReply))
 
-    async def wait(self, ids: list[str], timeout_s: float) -> None:
-        """Until each request has a terminal reply; then a moment for any extra one to show."""
+    async def _until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Until ``done()`` holds, re-checked at each reply; False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s
-        while not all(self.terminals(rid) for rid in ids):
+        while not done():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = [rid for rid in ids if not self.terminals(rid)]
-                raise TimeoutError(f"{len(missing)} requests unanswered: {missing[:4]}")
+                return False
             self._changed.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+        return True
+
+    async def wait(self, ids: list[str], timeout_s: float) -> None:
+        """Until each request has a terminal reply; then a moment for any extra one to show."""
+        if not await self._until(lambda: all(self.terminals(rid) for rid in ids), timeout_s):
+            missing = [rid for rid in ids if not self.terminals(rid)]
+            raise TimeoutError(f"{len(missing)} requests unanswered: {missing[:4]}")
         await asyncio.sleep(1.0)
 
     async def until_unanswered(self, ids: list[str], at_most: int, timeout_s: float) -> None:
         """Until at most ``at_most`` of ``ids`` lack a terminal reply, or ``timeout_s`` passes."""
-        deadline = time.monotonic() + timeout_s
-        while sum(not self.terminals(rid) for rid in ids) > at_most:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
+        await self._until(lambda: sum(not self.terminals(r) for r in ids) <= at_most, timeout_s)
 
     async def wait_streaming(self, ids: list[str], min_tokens: int, timeout_s: float) -> None:
         """Until some of ``ids`` has streamed ``min_tokens`` (generation is under way)."""

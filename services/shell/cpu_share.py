@@ -16,8 +16,8 @@ and is reused. Writes of one's own slot are unlocked (a stale read costs one ste
 count); claiming a slot takes the file's lock.
 
 Measured (docs/engine.md "CPUs"): ``torch.set_num_threads`` costs ~0.1 us here, and it is called
-only when the count changes, in the thread that runs the step (OpenMP's thread count is a
-per-thread setting).
+only when the calling thread's count differs, in the thread that runs the step (OpenMP's thread
+count is a per-thread setting: the engine service runs every step on one thread of its own).
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ class CpuShareManager:
         return fair_share(self.cores, self.others_busy()) if busy else self.cores
 
     def run_step(self, busy: bool, step: Callable[[], T]) -> T:
-        """``step`` with this engine's budget as torch's thread count (set only when it changes);
-        call it in the thread that runs the step."""
+        """``step`` with this engine's budget as torch's thread count (set only where this
+        thread's differs); call it in the thread that runs the step."""
         import torch
 
         threads = self.budget(busy)
