@@ -68,6 +68,14 @@ class BatonConfig:
     # p99 1.01-1.52x against 0.79-1.05x at 0). Default off. See services/shell/cpus.py.
     prefill_nice: int = 0
     decode_nice: int = 0
+    # How much an engine's forwards yield the CPU (nice added to the thread that runs its steps
+    # and the threads that thread starts: OpenMP's team, the C attention kernels). The event
+    # loop keeps the process's priority, so a first token's light hops (broker, tokenizer,
+    # prefill's intake, detokenizer, client) preempt a forward where they share cores, while
+    # prefill's and decode's forwards stay equals (unlike decode_nice). Measured on 2 cores
+    # (docs/scheduling.md, "Depth and the burst onset"): a priority-9 request into a 400-request
+    # flood, first-token p99 over 30 requests 30-50 ms at 0 against 16-25 ms at 10.
+    step_nice: int = 10
     # CPU attention in fp32 over a float cache: "auto" = the C kernels of shared/runtime/csrc for
     # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use;
     # the torch path if no C compiler), "torch" = the torch path (SDPA for prefill). See

@@ -17,6 +17,7 @@ from services.shell.cpus import (
     pin_engine,
     split_engine_cpus,
     yield_cpu,
+    yield_thread_cpu,
 )
 from shared.config import REPO_ROOT, BatonConfig
 
@@ -73,6 +74,28 @@ def test_a_niced_engine_runs_at_lower_priority() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=120).stdout  # fmt: skip
     assert out.split() == ["0", str(min(7, MAX_NICE - os.nice(0)))]
+
+
+def test_a_forward_thread_yields_alone_and_passes_it_on() -> None:
+    """BATON_STEP_NICE: the step thread and the threads it starts (OpenMP's team, the C
+    kernels') run niced; the process's other threads (its event loop) keep their priority."""
+    code = (
+        "import os, threading; from services.shell.cpus import yield_thread_cpu\n"
+        "get = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())\n"
+        "seen = {}\n"
+        "def child(): seen['child'] = get()\n"
+        "def step():\n"
+        "    yield_thread_cpu(6); seen['step'] = get()\n"
+        "    t = threading.Thread(target=child); t.start(); t.join()\n"
+        "t = threading.Thread(target=step); t.start(); t.join()\n"
+        "print(seen['step'] - get(), seen['child'] - get())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, check=True, timeout=120).stdout  # fmt: skip
+    want = str(min(6, MAX_NICE - os.nice(0)))
+    assert out.split() == [want, want]
+    with pytest.raises(ValueError, match="nice"):
+        yield_thread_cpu(MAX_NICE + 1)
 
 
 def test_a_decode_service_runs_at_its_configured_nice() -> None:

@@ -21,12 +21,16 @@ CPU set). An explicitly empty list (``BATON_DECODE_CPUS=``) keeps an engine unpi
 
 ``BATON_PREFILL_NICE`` / ``BATON_DECODE_NICE`` lower an engine's CPU priority where it shares
 cores (default 0): niced, decode never makes a first token's hops wait for its time slice, nor
-prefill (docs/scheduling.md has both sides).
+prefill (docs/scheduling.md has both sides). ``BATON_STEP_NICE`` (default 10) lowers only the
+forwards' threads, of both engines alike: the light hops win, and neither engine yields to the
+other.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 
 def parse_cpu_list(spec: str) -> frozenset[int]:
@@ -57,13 +61,27 @@ def split_engine_cpus(available: frozenset[int]) -> tuple[str, str] | None:
 MAX_NICE = 19
 
 
+def check_nice(nice: int) -> None:
+    if not 0 <= nice <= MAX_NICE:
+        raise ValueError(f"nice must be 0..{MAX_NICE}, not {nice}")
+
+
 def yield_cpu(nice: int) -> None:
     """Lower this process's CPU priority by ``nice`` (0 leaves it). Never raised: that needs
     privileges, and the light services are the ones that must win."""
-    if not 0 <= nice <= MAX_NICE:
-        raise ValueError(f"nice must be 0..{MAX_NICE}, not {nice}")
+    check_nice(nice)
     if nice:
         os.nice(nice)
+
+
+def yield_thread_cpu(nice: int) -> None:
+    """Lower the calling thread's CPU priority by ``nice`` (Linux: a nice value is per thread,
+    and the threads it starts inherit it). Elsewhere, a no-op."""
+    check_nice(nice)
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def pin_engine(cpu_spec: str, torch_threads: int) -> int:

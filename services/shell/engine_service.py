@@ -32,6 +32,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.shell.broker import Outgoing
 from services.shell.cpu_share import CpuShareManager
+from services.shell.cpus import check_nice, yield_thread_cpu
 from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
 from services.shell.shell import ServiceShell, ack, detok_events, requeue
@@ -105,7 +106,15 @@ class EngineService(ABC):
         # over asyncio's shared pool (asyncio.to_thread; the spill poller uses it too) ran at
         # whatever count that worker last had — decode alone at 1 of 2 budgeted threads, 85-88
         # vs 48 ms a step at the qwen2-0.5b shape, bf16, 2026-12-05.
-        self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-step")
+        # Its nice (BATON_STEP_NICE) lets the pipeline's light work preempt the forwards;
+        # checked here, since a worker's initializer that raises only breaks the pool.
+        check_nice(config.step_nice)
+        self._stepper = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"{self.name}-step",
+            initializer=yield_thread_cpu,
+            initargs=(config.step_nice,),
+        )
         self.shell.metrics.watch_device(config.device)
         self.shell.metrics.set_engine(engine.info)
         if engine.info.spill_store:
