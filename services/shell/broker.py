@@ -263,16 +263,25 @@ class Broker:
         declares on a short-lived channel."""
         if names is None:
             names = (*WORK_QUEUES, *detok_queues(self.config.detok_shards))
+        return {name: ready for name, (ready, _) in (await self._queue_states(names)).items()}
+
+    async def unattended(self, names: Iterable[str]) -> list[str]:
+        """Of ``names``, the queues that hold ready messages and have no consumer at all."""
+        states = await self._queue_states(names)
+        return [name for name, (ready, consumers) in states.items() if ready and not consumers]
+
+    async def _queue_states(self, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """(ready messages, consumers) per queue, via passive declares on a short-lived channel."""
         assert self._connection is not None, "connect() first"
-        depths: dict[str, int] = {}
+        states: dict[str, tuple[int, int]] = {}
         channel = await self._connection.channel()
         try:
             for name in names:
-                q = await channel.declare_queue(name, passive=True)
-                depths[name] = q.declaration_result.message_count or 0
+                result = (await channel.declare_queue(name, passive=True)).declaration_result
+                states[name] = (result.message_count or 0, result.consumer_count or 0)
         finally:
             await channel.close()
-        return depths
+        return states
 
     async def close(self) -> None:
         if self._connection is not None:
