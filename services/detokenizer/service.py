@@ -116,17 +116,21 @@ class DetokenizerService:
         request after a start, 0.67-0.91 s in 3 of 12 runs of loadtest.burst_onset, 2026-12-05)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for k in range(1, len(shards)):
-            shard = shards[(home + k) % len(shards)]
-            due = started + k * self.config.detok_standby_delay_s
-            while loop.time() < due:
-                try:
-                    if await self.shell.broker.unattended([shard]):
-                        break
-                except Exception as exc:  # the delay still ends it
-                    log.debug("standby shard not checked", shard=shard, error=repr(exc))
-                await asyncio.sleep(min(STANDBY_POLL_S, max(0.0, due - loop.time())))
-            await self.shell.consume(shard, self.on_message)
+        due = {  # shard -> when it is taken at the latest
+            shards[(home + k) % len(shards)]: started + k * self.config.detok_standby_delay_s
+            for k in range(1, len(shards))
+        }
+        while due:
+            take = {shard for shard, at in due.items() if at <= loop.time()}
+            try:
+                take.update(await self.shell.broker.unattended(due))
+            except Exception as exc:  # the delays still end it
+                log.debug("standby shards not checked", error=repr(exc))
+            for shard in sorted(take, key=due.__getitem__):
+                del due[shard]
+                await self.shell.consume(shard, self.on_message)
+            if due:
+                await asyncio.sleep(min(STANDBY_POLL_S, max(0.0, min(due.values()) - loop.time())))
 
     def _intake_lost(self) -> None:
         """The consume channel closed: the broker requeued every unacked input, for this
