@@ -92,6 +92,38 @@ def test_the_step_runs_at_the_budget(table: Path) -> None:
         torch.set_num_threads(before)
 
 
+def test_a_long_step_follows_the_other_engines_work_between_layers(table: Path) -> None:
+    """A prefill forward that began alone on both cores drops to its share at the next layer
+    once decode turns busy, and takes them back once decode is idle: the counts never sum past
+    the cores for longer than a layer."""
+    import torch
+
+    from shared.runtime import BlockManager, SamplingParams, Sequence
+    from tests.runtime.helpers import make_runner, tiny_model_dir
+
+    before = torch.get_num_threads()
+    runner = make_runner(tiny_model_dir("llama"), num_kv_blocks=16)
+    other, me = CpuShareManager(table, 2), CpuShareManager(table, 2)
+    seen: list[tuple[int, int]] = []
+
+    def between_layers(done: int) -> None:
+        me.rebalance(done)
+        seen.append((done, torch.get_num_threads()))
+        other.budget(busy=done == 1)  # decode turns busy after layer 1, idle after layer 2
+
+    runner.between_layers = between_layers
+    seq = Sequence("s", list(range(3, 19)), SamplingParams())
+    BlockManager(runner.num_kv_blocks, runner.block_size).allocate(seq)
+    try:
+        me.run_step(True, lambda: runner.prefill([seq], [seq.num_tokens]))
+        assert seen == [(1, 2), (2, 1)]  # the tiny model's two layers
+        assert me.threads == 1  # the count the step ended with (baton:engine_threads)
+        me.rebalance()  # a next layer, decode idle again (after layer 2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATON_PREFILL_CPUS", raising=False)
     monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)

@@ -5,8 +5,8 @@ decode). Pinned to halves with one thread each, each phase ran on one core while
 (2 cores, Qwen2-0.5B shape, 16 x 128 -> 32: prefill 3.5 s, then decode 4.5 s, each on one core).
 Instead every engine runs on the whole CPU set and, before each step, takes a thread count from a
 table both see: all of its cores if no other engine of the deployment is busy, else an equal share
-(``budget``). The counts follow the work within one step (a decode step is ~0.1 s; a prefill step
-keeps the count it began with).
+(``budget``). The counts follow the work between the layers of a step
+(:meth:`CpuShareManager.rebalance`).
 
 The table is a small file in /dev/shm, one per deployment (broker host, port and vhost) and CPU
 set, so two stacks on one host never mix and engines pinned to disjoint sets never halve each
@@ -140,6 +140,19 @@ class CpuShareManager:
             torch.set_num_threads(threads)
         self.threads = threads
         return step()
+
+    def rebalance(self, _layers_done: int = 0) -> None:
+        """Between two layers of a step (ModelRunner.between_layers), in the step's thread:
+        follow the budget if another engine's work began or ended since the step did. A
+        prefill wave of a real-size model lasts seconds; keeping its starting count while decode
+        took its share ran three threads on two cores, and an OpenMP worker that spins before
+        sleeping (services/__main__.py) then waits on a thread that has no core."""
+        import torch
+
+        threads = self.budget(busy=True)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            self.threads = threads
 
     def idle(self) -> None:
         self._write(busy=False)

@@ -172,6 +172,8 @@ class EngineService(ABC):
             on_control=self._on_control, on_drain=self._give_back_inbox, idle=self._idle
         )
         await self.prefetch.start()
+        if self.cpu_share is not None:
+            self.engine.runner.between_layers = self.cpu_share.rebalance
         self._loop = asyncio.create_task(self._run())
         route = self.engine.info.release_route
         if route is not None:  # a pooled sender: receivers tell it when its pins may go

@@ -9,7 +9,9 @@ summation order (tests/runtime/test_cpu_attention.py sweeps shapes against it).
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
 this CPU (``-march=native``) into a cache directory keyed by the source, the flags, the compiler
 and the CPU, and loaded with ctypes (calls release the GIL). A batch is split across
-``torch.get_num_threads()`` threads (read at each call) that the C code starts itself. No
+``torch.get_num_threads()`` threads (read at each call) of torch's own OpenMP team: the library
+links libgomp, which resolves to the copy torch has loaded (threads the C code started itself
+met that team still spinning after the step's GEMMs, and two threads ran slower than one). No
 compiler, or a failed build: ``load_kernel`` returns None and the torch path serves (one
 warning).
 """
@@ -25,7 +27,7 @@ import torch
 from shared.native.build import CSRC, load_library, usable_cpus
 
 SOURCE = CSRC / "paged_decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # Rows of the batch per thread below which splitting costs more than it saves.
 MIN_ROWS_PER_THREAD = 8
 

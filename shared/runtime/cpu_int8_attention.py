@@ -19,7 +19,7 @@ from shared.native.build import CSRC, load_library, usable_cpus
 from shared.runtime.cpu_attention import MIN_ROWS_PER_THREAD
 
 SOURCE = CSRC / "paged_decode_int8.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

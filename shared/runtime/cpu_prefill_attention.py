@@ -25,7 +25,7 @@ from shared.native.build import CSRC, load_library, usable_cpus
 SOURCE = CSRC / "prefill_attention.c"
 # Contracted multiply-adds (FMA): the decode kernel's flags plus -ffp-contract=fast, which
 # -std=c11 turns off; the sums differ from SDPA's in rounding either way.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11", "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 MAX_HEAD_DIM = 256  # the kernel's accumulators: head_dim / 16 vectors per row
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -39,6 +39,11 @@ KVCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.
 
 
 class ModelRunner:
+    # Called with the number of layers done, between the layers of every forward, in the
+    # forward's thread: the shared CPU budget follows the other engine's work there
+    # (services/shell/cpu_share.py). None: nothing runs between layers.
+    between_layers: Callable[[int], None] | None = None
+
     def __init__(
         self,
         config: BatonConfig,
@@ -301,6 +306,8 @@ class ModelRunner:
         sample_seqs: list[Sequence],
     ) -> list[int]:
         dev = self.device
+        if self.between_layers is not None:
+            meta = LayerProgress(meta, self.between_layers)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

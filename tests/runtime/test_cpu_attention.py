@@ -4,6 +4,7 @@ its thread split, its input checks, its build cache and its fallback."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 from pathlib import Path
 
@@ -123,6 +124,31 @@ def test_a_batch_split_across_threads_gives_the_same_numbers(tmp_path: Path) -> 
     with torch_threads(2):  # fewer threads now (an engine gave back borrowed cores)
         assert four.parts(37) == 2
     assert torch.equal(a, b)  # each row is computed the same way whichever thread runs it
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+def test_the_kernels_split_on_torchs_own_openmp_runtime(tmp_path: Path) -> None:
+    """The C kernels' parts run on the OpenMP team torch's GEMMs use: the process maps one
+    OpenMP runtime, torch's (a second one would start its own team beside torch's, and the
+    two took turns on the same cores)."""
+    from shared.runtime.cpu_int8_attention import load_int8_kernel
+    from shared.runtime.cpu_prefill_attention import load_prefill_kernel
+
+    kernels = [load_kernel(tmp_path), load_prefill_kernel(tmp_path), load_int8_kernel(tmp_path)]
+    paths = [k.path for k in kernels if k is not None]
+    if len(paths) < len(kernels):
+        pytest.skip("no C compiler")
+    for path in paths:  # each splits through OpenMP (a lookup also searches what it links)
+        assert hasattr(ctypes.CDLL(str(path)), "GOMP_parallel"), path.name
+    runtimes = {
+        line.split()[-1]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if "libgomp" in line or "libiomp" in line or "libomp" in line
+    }
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert len(runtimes) == 1, runtimes
+    if (torch_lib / "libgomp.so.1").exists():  # torch's own wheel: its bundled copy
+        assert runtimes == {str(torch_lib / "libgomp.so.1")}
 
 
 def test_inputs_it_cannot_read_are_refused(kernel: DecodeKernel) -> None:

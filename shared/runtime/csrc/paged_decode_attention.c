@@ -18,7 +18,6 @@
  * into up to `parts` row ranges on threads of their own (disjoint writes). Common head sizes are
  * specialised so the inner loops unroll into registers; any other size takes the generic loop. */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -230,51 +229,23 @@ static void values_rows(const struct pass_args *a, int64_t b0, int64_t b1)
     }
 }
 
-/* Threads of our own, not the caller's: a Python thread pool needs the GIL to start each part,
- * and in a service the event loop thread holds it while it handles messages (a waiting thread
- * gets it after up to the 5 ms switch interval, against passes of ~1 ms a layer at batch 64).
- * Rows are independent and each is computed the same way whichever thread takes it. A thread is
- * started per part per call (the cost of a pool was not worth its code: measured whole, two
- * threads took a layer's attention from 1.79 to 1.08 ms). */
+/* The parts run on the OpenMP team torch's own ops use (this library links libgomp, and the
+ * process already holds torch's copy under that name, so both share one runtime and one
+ * team). Threads started per call, as this file once did, met torch's team still spinning
+ * after the step's last GEMM (libgomp spins before it sleeps): on two cores they took turns
+ * on one core and attention got slower with two threads than with one. Rows are independent
+ * and each is computed the same way whichever thread takes it. */
 typedef void (*rows_fn)(const struct pass_args *, int64_t, int64_t);
-
-struct part {
-    rows_fn fn;
-    const struct pass_args *args;
-    int64_t b0, b1;
-};
-
-static void *run_part(void *p)
-{
-    const struct part *part = p;
-    part->fn(part->args, part->b0, part->b1);
-    return NULL;
-}
-
-#define MAX_PARTS 64
 
 static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int64_t parts)
 {
-    if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts > batch) parts = batch;
     if (parts <= 1) {
         fn(a, 0, batch);
         return;
     }
-    struct part jobs[MAX_PARTS];
-    pthread_t threads[MAX_PARTS];
-    int started[MAX_PARTS] = {0};
-    for (int64_t i = 0; i < parts; i++)
-        jobs[i] = (struct part){fn, a, batch * i / parts, batch * (i + 1) / parts};
-    for (int64_t i = 1; i < parts; i++)
-        started[i] = pthread_create(&threads[i], NULL, run_part, &jobs[i]) == 0;
-    run_part(&jobs[0]);
-    for (int64_t i = 1; i < parts; i++) {
-        if (started[i])
-            pthread_join(threads[i], NULL);
-        else /* no thread to be had: this one does the part */
-            run_part(&jobs[i]);
-    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int64_t i = 0; i < parts; i++) fn(a, batch * i / parts, batch * (i + 1) / parts);
 }
 
 void baton_paged_decode_scores_f32(const float *q, const float *k_pool,

@@ -21,7 +21,6 @@
  * The batch splits into up to `parts` row ranges on threads of our own (why not the caller's:
  * paged_decode_attention.c). */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -284,43 +283,16 @@ static void values_rows(const struct args *a, int64_t b0, int64_t b1)
 
 typedef void (*rows_fn)(const struct args *, int64_t, int64_t);
 
-struct part {
-    rows_fn fn;
-    const struct args *args;
-    int64_t b0, b1;
-};
-
-static void *run_part(void *p)
-{
-    const struct part *part = p;
-    part->fn(part->args, part->b0, part->b1);
-    return NULL;
-}
-
-#define MAX_PARTS 64
-
+/* The parts run on torch's OpenMP team (see paged_decode_attention.c's split_rows). */
 static void split_rows(rows_fn fn, const struct args *a, int64_t batch, int64_t parts)
 {
-    if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts > batch) parts = batch;
     if (parts <= 1) {
         fn(a, 0, batch);
         return;
     }
-    struct part jobs[MAX_PARTS];
-    pthread_t threads[MAX_PARTS];
-    int started[MAX_PARTS] = {0};
-    for (int64_t i = 0; i < parts; i++)
-        jobs[i] = (struct part){fn, a, batch * i / parts, batch * (i + 1) / parts};
-    for (int64_t i = 1; i < parts; i++)
-        started[i] = pthread_create(&threads[i], NULL, run_part, &jobs[i]) == 0;
-    run_part(&jobs[0]);
-    for (int64_t i = 1; i < parts; i++) {
-        if (started[i])
-            pthread_join(threads[i], NULL);
-        else
-            run_part(&jobs[i]);
-    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int64_t i = 0; i < parts; i++) fn(a, batch * i / parts, batch * (i + 1) / parts);
 }
 
 /* `pool` is one layer's K (scores) or V (values) pool; `in` q [B, H, D] or probs [B, H, stride];

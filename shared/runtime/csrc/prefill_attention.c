@@ -21,7 +21,6 @@
  * single-precision polynomial on 16 lanes (within a few ulp of expf), so the numbers equal SDPA's
  * up to rounding, like the decode kernel's. Work items (sequence, KV head) split into up to
  * `parts` ranges on threads of our own (see paged_decode_attention.c for why not the caller's). */
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -213,25 +212,17 @@ static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, floa
     }
 }
 
-struct part {
-    const struct call *c;
-    int64_t w0, w1; /* work items seq * num_kv_heads + h */
-};
-
-static void *run_part(void *arg)
+/* Work items [w0, w1) with a scratch buffer of their own: 0, or 1 if it could not be had. */
+static int run_part(const struct call *c, int64_t w0, int64_t w1)
 {
-    const struct part *p = arg;
-    const struct call *c = p->c;
     const int64_t n16 = (c->max_len + 15) & ~15, D = c->head_dim;
     float *buf = malloc(sizeof(float) * (size_t)(2 * D * n16 + 16 * n16));
-    if (buf == NULL) return (void *)1;
-    for (int64_t w = p->w0; w < p->w1; w++)
+    if (buf == NULL) return 1;
+    for (int64_t w = w0; w < w1; w++)
         attend(c, w / c->num_kv_heads, w % c->num_kv_heads, buf, buf + D * n16, buf + 2 * D * n16);
     free(buf);
-    return NULL;
+    return 0;
 }
-
-#define MAX_PARTS 64
 
 /* 0 on success; 1 if scratch memory could not be had (out is then incomplete). */
 int baton_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
@@ -243,23 +234,11 @@ int baton_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
     const struct call c = {q, k, v, q_stride, k_stride, v_stride, out_stride, seq_bounds,
                            num_heads, num_kv_heads, head_dim, max_len, window, scale, out};
     const int64_t work = num_seqs * num_kv_heads;
-    if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts > work) parts = work;
     if (parts < 1) parts = 1;
-    struct part jobs[MAX_PARTS];
-    pthread_t threads[MAX_PARTS];
-    int started[MAX_PARTS] = {0};
-    for (int64_t i = 0; i < parts; i++) jobs[i] = (struct part){&c, work * i / parts, work * (i + 1) / parts};
-    for (int64_t i = 1; i < parts; i++)
-        started[i] = pthread_create(&threads[i], NULL, run_part, &jobs[i]) == 0;
-    int failed = run_part(&jobs[0]) != NULL;
-    for (int64_t i = 1; i < parts; i++) {
-        void *r = NULL;
-        if (started[i])
-            pthread_join(threads[i], &r);
-        else
-            r = run_part(&jobs[i]);
-        failed |= r != NULL;
-    }
+    /* The parts run on torch's OpenMP team (see paged_decode_attention.c's split_rows). */
+    int failed = 0;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
+    for (int64_t i = 0; i < parts; i++) failed |= run_part(&c, work * i / parts, work * (i + 1) / parts);
     return failed;
 }
