@@ -55,6 +55,11 @@ class BatonConfig:
     # equal share, and `services up` no longer pins them to halves. Off with an explicit
     # *_torch_threads (that count is kept). Measured figures in docs/engine.md ("CPUs").
     cpu_share: bool = True
+    # With the cores shared (cpu_share), a decode step with work waits while prefill computes,
+    # for at most this long since decode's last step (services/shell/cpu_share.py
+    # `decode_yields`): a prefill wave keeps every core, decode's running sequences get a token
+    # at least this often meanwhile. 0: decode never waits. Engines on their own cores never do.
+    decode_yield_s: float = 0.5
     # CPUs each engine service is pinned to (a Linux CPU list, "0-3,8"; "" = anywhere): the CPU
     # analogue of separate GPUs, so a prefill burst cannot take decode's cores. With a list and
     # threads 0, the engine uses one thread per listed CPU. See services/shell/cpus.py.

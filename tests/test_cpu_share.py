@@ -124,6 +124,27 @@ def test_a_long_step_follows_the_other_engines_work_between_layers(table: Path) 
         torch.set_num_threads(before)
 
 
+def test_decode_yields_to_a_busy_prefill_for_at_most_its_bound(table: Path) -> None:
+    """A decode engine with work waits while a prefill engine computes (and is idle while it
+    waits, so prefill's budget is every core), but never longer than ``yield_s`` since its
+    last step, and never for another decode engine."""
+    prefill = CpuShareManager(table, 2, prefill=True)
+    decode, other_decode = CpuShareManager(table, 2), CpuShareManager(table, 2)
+    assert not decode.decode_yields(0.1, 0.5)  # nobody busy
+    other_decode.budget(busy=True)
+    assert not decode.decode_yields(0.1, 0.5)  # a busy decode replica is no reason to wait
+    other_decode.idle()
+    prefill.budget(busy=True)
+    decode.budget(busy=True)
+    assert prefill.budget(busy=True) == 1  # both busy: a core each
+    assert decode.decode_yields(0.1, 0.5)
+    assert prefill.budget(busy=True) == 2  # decode waits idle: prefill takes both
+    assert not decode.decode_yields(0.5, 0.5)  # its bound reached: it steps
+    assert not decode.decode_yields(0.1, 0.0)  # BATON_DECODE_YIELD_S=0: never waits
+    prefill.idle()
+    assert not decode.decode_yields(0.1, 0.5)
+
+
 def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATON_PREFILL_CPUS", raising=False)
     monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)

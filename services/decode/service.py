@@ -35,6 +35,7 @@ class DecodeService(EngineService):
             prefetch=config.max_num_seqs + config.decode_prefetch_headroom,
             event_hold_s=config.decode_event_hold_s,
         )
+        self.yield_s = config.decode_yield_s
 
     def window(self, load: EngineLoad) -> int:
         self.shell.metrics.on_policy_times(self.policy.release_s, None)

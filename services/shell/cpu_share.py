@@ -42,6 +42,9 @@ T = TypeVar("T")
 MIN_SHARED_WEIGHT_BYTES = 64 << 20
 SLOTS = 16
 SLOT = struct.Struct("<qqd")  # pid, busy, heartbeat (time.time())
+# A slot's busy field: 0 idle, else which engine is busy (a reader that only asks "busy?" reads
+# any nonzero value as busy).
+BUSY, BUSY_PREFILL = 1, 2
 TABLE_BYTES = SLOTS * SLOT.size
 TTL_S = 30.0  # longer than any one step: a busy engine refreshes its heartbeat once per step
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -84,8 +87,17 @@ def _alive(pid: int) -> bool:
 class CpuShareManager:
     """This engine process's slot in its deployment's table; ``budget`` before each step."""
 
-    def __init__(self, path: Path, cores: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path,
+        cores: int,
+        clock: Callable[[], float] = time.time,
+        prefill: bool = False,
+    ) -> None:
+        """``prefill``: this engine is a prefill engine (a decode engine yields to it,
+        :meth:`decode_yields`)."""
         self.path, self.cores, self.clock = path, cores, clock
+        self.busy_mark = BUSY_PREFILL if prefill else BUSY
         self.pid = os.getpid()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -112,17 +124,39 @@ class CpuShareManager:
         return pid != 0 and now - beat < TTL_S and _alive(pid)
 
     def _write(self, busy: bool) -> None:
-        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, int(busy), self.clock())
+        mark = self.busy_mark if busy else 0
+        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, mark, self.clock())
 
-    def others_busy(self) -> int:
+    def _others(self) -> list[int]:
+        """The busy fields of the other live engines' slots."""
         now = self.clock()
-        count = 0
+        marks = []
         for i in range(SLOTS):
             if i == self.slot:
                 continue
             pid, busy, beat = SLOT.unpack_from(self._map, i * SLOT.size)
-            count += bool(busy) and self._live(pid, beat, now)
-        return count
+            if busy and self._live(pid, beat, now):
+                marks.append(busy)
+        return marks
+
+    def others_busy(self) -> int:
+        return len(self._others())
+
+    def decode_yields(self, since_step_s: float, yield_s: float) -> bool:
+        """Whether a decode engine with work lets its next step wait: while a prefill engine of
+        the deployment computes, for at most ``yield_s`` since its last step (``since_step_s``
+        ago). Waiting, it is marked idle, so prefill takes every core at its next layer.
+
+        Why: a decode step streams every weight whatever its batch, so beside a prefill wave a
+        decode of one or two sequences took half the cores for as long as the wave ran (Qwen2-0.5B
+        shape, fp32, a burst's lone first request: 31 steps of ~110 ms on one core while the
+        other 15 prompts' wave took 6.3-6.5 s, 4.0-4.7 s alone). A single engine runs such
+        decodes inside its prefill's forward, a token per forward; this is the same trade, with
+        a bound."""
+        if yield_s <= 0 or since_step_s >= yield_s or BUSY_PREFILL not in self._others():
+            return False
+        self.idle()
+        return True
 
     def budget(self, busy: bool) -> int:
         """Mark this engine busy or idle (and alive) and return its thread count now."""

@@ -57,6 +57,9 @@ log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle engine still steps this often (deadlines, KV leases, orphan sweeps)
 BUSY_WAIT_S = 0.01  # work that cannot be scheduled now (KV blocks short): re-check this often
+# A decode step waiting for a prefill wave (decode_yields) looks again this often: prefill's
+# end is not announced to the other process.
+YIELD_POLL_S = 0.01
 
 
 @dataclass
@@ -101,6 +104,9 @@ class EngineService(ABC):
         # Set by the process that runs this service alone (services/__main__.py): the thread
         # budget shared with the deployment's other engines. None: torch's count is left alone.
         self.cpu_share: CpuShareManager | None = None
+        # Decode's BATON_DECODE_YIELD_S (set by DecodeService); prefill never waits.
+        self.yield_s = 0.0
+        self._last_step_at = 0.0  # time.monotonic() after the last step
         # Every step on one thread of its own. torch's thread count (OpenMP's) is a setting of
         # the calling thread, and each calling thread keeps its own OpenMP team: steps spread
         # over asyncio's shared pool (asyncio.to_thread; the spill poller uses it too) ran at
@@ -260,7 +266,11 @@ class EngineService(ABC):
             if self._has_input() and self.batch_wait_s > 0:
                 await self._gather()
         self._take_in()
+        if self._yields_step():
+            await self._wait(YIELD_POLL_S)
+            return
         out = await asyncio.get_running_loop().run_in_executor(self._stepper, self._step)
+        self._last_step_at = time.monotonic()
         self._publish(out)
         self.load = out.load
         self.prefetch.want(self.window(out.load))
@@ -289,6 +299,14 @@ class EngineService(ABC):
             await asyncio.sleep(min(self.batch_wait_s, max(0.0, deadline - loop.time())))
             if len(self.inbox) == seen or loop.time() >= deadline:
                 return
+
+    def _yields_step(self) -> bool:
+        """Whether the next step waits for a prefill wave on the shared cores (decode only:
+        ``yield_s``; CpuShareManager.decode_yields)."""
+        share = self.cpu_share
+        if share is None or self.yield_s <= 0 or not self.engine.has_work():
+            return False
+        return share.decode_yields(time.monotonic() - self._last_step_at, self.yield_s)
 
     def _step(self) -> StepOutput:
         """One engine step, in the worker thread, at this engine's share of the cores."""
