@@ -166,6 +166,11 @@ class CpuShareManager:
     def run_step(self, busy: bool, step: Callable[[], T]) -> T:
         """``step`` with this engine's budget as torch's thread count (set only where this
         thread's differs); call it in the thread that runs the step."""
+        self._follow_budget(busy)
+        return step()
+
+    def _follow_budget(self, busy: bool) -> None:
+        """torch's thread count in this thread set to the budget (only where it differs)."""
         import torch
 
         threads = self.budget(busy)
@@ -173,7 +178,6 @@ class CpuShareManager:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self.threads = threads
-        return step()
 
     def rebalance(self, _layers_done: int = 0) -> None:
         """Between two layers of a step (ModelRunner.between_layers), in the step's thread:
@@ -181,12 +185,7 @@ class CpuShareManager:
         prefill wave of a real-size model lasts seconds; keeping its starting count while decode
         took its share ran three threads on two cores, and an OpenMP worker that spins before
         sleeping (services/__main__.py) then waits on a thread that has no core."""
-        import torch
-
-        threads = self.budget(busy=True)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-            self.threads = threads
+        self._follow_budget(busy=True)
 
     def idle(self) -> None:
         self._write(busy=False)

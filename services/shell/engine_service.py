@@ -304,7 +304,7 @@ class EngineService(ABC):
         """Whether the next step waits for a prefill wave on the shared cores (decode only:
         ``yield_s``; CpuShareManager.decode_yields)."""
         share = self.cpu_share
-        if share is None or self.yield_s <= 0 or not self.engine.has_work():
+        if share is None or not self.engine.has_work():
             return False
         return share.decode_yields(time.monotonic() - self._last_step_at, self.yield_s)
 
