@@ -4,8 +4,8 @@ The runner builds one metadata object per forward (tensors, masks, gather indice
 :class:`AttentionBackend`; every layer then calls :func:`attention` with it. Two backends:
 - torch (any device, the CPU path): decode copies only K (per KV head, padded to the longest
   context) for one batched matmul and reads V in place (see :class:`TorchDecodeMetadata`); on
-  CPU with an fp32 float cache, decode goes through the C kernel of cpu_attention.py instead
-  (:class:`CpuKernelDecodeMetadata`: K and V read in place, once);
+  CPU with an fp32 or bf16 float cache, decode goes through the C kernel of cpu_attention.py
+  instead (:class:`CpuKernelDecodeMetadata`: K and V read in place, once);
   prefill runs one SDPA per sequence, causal (``is_causal``) when it has no cached prefix, else
   with a causal-with-offset mask; on CPU in fp32 the fresh prompts (no cached prefix) go through
   the C kernel of cpu_prefill_attention.py instead, all in one call. A quantised cache
@@ -458,11 +458,11 @@ def select_backend(
     head_dim: int | None = None,
     fp_window: FpWindow | None = None,
 ) -> AttentionBackend:
-    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU in
-    fp32, decode goes through a C kernel (over a float cache, or an int8 one and its
-    full-precision window ``fp_window``) unless ``cpu_attention`` is ``"torch"`` (or the kernel
-    cannot be built), and so does a fresh prompt's prefill where ``head_dim`` is given and the
-    prefill kernel takes it (a multiple of 16, up to 256).
+    """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
+    decode goes through a C kernel (over an fp32 or bf16 float cache; in fp32 also over an int8
+    one and its full-precision window ``fp_window``) unless ``cpu_attention`` is ``"torch"`` (or
+    the kernel cannot be built), and in fp32 so does a fresh prompt's prefill where ``head_dim``
+    is given and the prefill kernel takes it (a multiple of 16, up to 256).
 
     An int8 cache on CUDA decodes through the Triton kernel's int8 specialisation, reading the
     packed rows of kv_codec.py and the full-precision window in place; its prefill is torch's
@@ -490,12 +490,12 @@ def select_backend(
         except ImportError as exc:  # triton missing or broken on this host
             log.warning("triton kernels unavailable; using torch attention", error=str(exc))
     kernel = prefill_kernel = int8_kernel = None
-    if device.type == "cpu" and cpu_attention == "auto" and dtype == torch.float32:
-        if codec.quantized:
-            int8_kernel = load_int8_kernel()
-        else:
+    if device.type == "cpu" and cpu_attention == "auto":
+        if not codec.quantized and dtype in (torch.float32, torch.bfloat16):
             kernel = load_kernel()
-        if head_dim is not None and PrefillKernel.supports(head_dim):
+        elif codec.quantized and dtype == torch.float32:
+            int8_kernel = load_int8_kernel()
+        if dtype == torch.float32 and head_dim is not None and PrefillKernel.supports(head_dim):
             prefill_kernel = load_prefill_kernel()  # fresh prompts: their own K/V, any cache
     return TorchAttentionBackend(
         num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel,

@@ -1,10 +1,13 @@
-"""CPU decode attention through the C kernel of ``csrc/paged_decode_attention.c``.
+"""CPU decode attention through the C kernel of ``csrc/paged_decode_attention.c``, over an fp32
+or a bf16 cache.
 
 Why a C kernel: on CPU a decode step at batch 64 spent ~45% of its time in attention (bench
 model, one thread: index_select of K rows, the scores bmm, embedding_bag over V), all of it
 moving 128-byte rows. The kernel reads each sequence's K and V blocks in place, once, and leaves
 the softmax between its two passes to torch. Same numbers as the torch path up to float
-summation order (tests/runtime/test_cpu_attention.py sweeps shapes against it).
+summation order (tests/runtime/test_cpu_attention.py sweeps shapes against it). Over a bf16
+cache it computes in fp32 (q widened, the output rounded to bf16 once), as SDPA's CPU kernel
+does in bf16; torch's bf16 path rounded scores and probabilities to bf16 on the way.
 
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
 this CPU (``-march=native``) into a cache directory keyed by the source, the flags, the compiler
@@ -40,23 +43,27 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
         self.path = path
-        self._scores = lib.baton_paged_decode_scores_f32
-        self._scores.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
-        self._scores.restype = None
-        self._values = lib.baton_paged_decode_values_f32
-        self._values.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P]
-        self._values.restype = None
+        self._scores, self._values = {}, {}  # the cache's dtype -> its pass
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            scores = getattr(lib, f"baton_paged_decode_scores_{suffix}")
+            scores.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
+            scores.restype = None
+            values = getattr(lib, f"baton_paged_decode_values_{suffix}")
+            values.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P]
+            values.restype = None
+            self._scores[dtype], self._values[dtype] = scores, values
         self.max_threads = max(1, max_threads)
 
     def attend(
         self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelBatch, scale: float
     ) -> torch.Tensor:
-        """q ``[B, Hq, D]`` fp32 -> ``[B, Hq, D]``; ``kv_layer`` ``[2, blocks, bs, Hkv, D]``;
-        row b attends to positions ``rows.starts[b] .. rows.context_lens[b] - 1``."""
+        """q ``[B, Hq, D]`` -> ``[B, Hq, D]`` in q's dtype; ``kv_layer`` ``[2, blocks, bs, Hkv,
+        D]``; row b attends to positions ``rows.starts[b] .. rows.context_lens[b] - 1``. q and the
+        cache: fp32 or bf16 each."""
         batch, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, pool_dim = kv_layer.shape
-        if q.dtype != torch.float32 or kv_layer.dtype != torch.float32:
-            raise ValueError(f"fp32 only (q {q.dtype}, cache {kv_layer.dtype})")
+        if q.dtype not in self._scores or kv_layer.dtype not in self._scores:
+            raise ValueError(f"fp32 or bf16 only (q {q.dtype}, cache {kv_layer.dtype})")
         if q.device.type != "cpu" or not kv_layer.is_contiguous():
             raise ValueError("a contiguous CPU cache is required")
         if pool_dim != head_dim or num_heads % num_kv_heads:
@@ -64,7 +71,8 @@ class DecodeKernel:
         if batch != rows.context_lens.shape[0] or block_size != rows.block_size:
             raise ValueError("one block table and one context length per query row, same blocks")
         max_context_len = rows.max_context_len
-        q = q.contiguous()
+        out_dtype = q.dtype
+        q = q.to(torch.float32).contiguous()
         scores = torch.empty(batch, num_heads, max_context_len)
         out = torch.empty_like(q)
         tables, lens = rows.block_tables.data_ptr(), rows.context_lens.data_ptr()
@@ -72,12 +80,15 @@ class DecodeKernel:
         width = rows.block_tables.shape[1]
         parts = self.parts(batch)
         dims = (num_heads, num_kv_heads, head_dim, block_size)
-        self._scores(q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens, starts, batch,
-                     parts, *dims, scale, scores.data_ptr(), max_context_len)  # fmt: skip
+        pool_dtype = kv_layer.dtype
+        self._scores[pool_dtype](q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens,
+                                 starts, batch, parts, *dims, scale, scores.data_ptr(),
+                                 max_context_len)  # fmt: skip
         probs = scores.softmax(-1)
-        self._values(probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens, starts,
-                     batch, parts, *dims, max_context_len, out.data_ptr())  # fmt: skip
-        return out
+        self._values[pool_dtype](probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens,
+                                 starts, batch, parts, *dims, max_context_len,
+                                 out.data_ptr())  # fmt: skip
+        return out.to(out_dtype)
 
     def parts(self, batch: int) -> int:
         """Row ranges a pass splits into: torch's current thread count (up to ``max_threads``),

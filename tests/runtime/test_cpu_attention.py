@@ -109,6 +109,46 @@ def test_matches_the_reference_and_the_torch_path(
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "bs"),
+    [
+        (14, 2, 64, 16),  # the Qwen2-0.5B shape: vector loops
+        (4, 2, 16, 16),  # vector loops, one 16-wide column
+        (6, 2, 24, 8),  # not a multiple of 16: the scalar loops
+        (9, 9, 128, 16),  # K rows too wide to widen into scratch: converted where they lie
+    ],
+)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_a_bf16_cache_is_read_in_fp32(
+    kernel: DecodeKernel,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bs: int,
+    q_dtype: torch.dtype,
+) -> None:
+    """Over a bf16 cache the kernel computes in fp32 on the cached values (each widens exactly):
+    fp32-close to the fp64 reference on those values, rounded to q's dtype once."""
+    pool, q, k, v, tables, lens, slots = _case(9, num_heads, num_kv_heads, head_dim, bs, 70, 4)
+    pool, q = pool.bfloat16(), q.to(q_dtype)
+    backend = TorchAttentionBackend(
+        pool.shape[1], bs, num_kv_heads, head_dim**-0.5, CPU, decode_kernel=kernel
+    )
+    meta = backend.decode_metadata(slots, tables, lens)
+    pool_c = pool.clone()
+    got = meta.forward(q, k.bfloat16(), v.bfloat16(), pool_c)
+    assert got.dtype == q_dtype and got.shape == q.shape
+    want = reference(q.float(), pool_c.float(), tables, lens, head_dim**-0.5)
+    rtol = 2**-8 if q_dtype == torch.bfloat16 else 1e-5  # rounded once: half a bf16 step, and a bit
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=rtol)
+    # torch's bf16 path rounds scores and probabilities to bf16 on the way: close, not equal
+    torch_be = TorchAttentionBackend(pool.shape[1], bs, num_kv_heads, head_dim**-0.5, CPU)
+    want_torch = torch_be.decode_metadata(slots, tables, lens).forward(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), pool.clone()
+    )
+    torch.testing.assert_close(got.bfloat16(), want_torch, atol=3e-2, rtol=3e-2)
+
+
 def test_a_batch_split_across_threads_gives_the_same_numbers(tmp_path: Path) -> None:
     one, four = load_kernel(tmp_path, max_threads=1), load_kernel(tmp_path, max_threads=4)
     if one is None or four is None:
@@ -155,8 +195,10 @@ def test_inputs_it_cannot_read_are_refused(kernel: DecodeKernel) -> None:
     pool, q, _, _, tables, lens, _ = _case(5, 4, 2, 32, 16, 40, seed=0)
     bt = _tables(tables)
     cl = torch.tensor(lens)
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match="fp32 or bf16"):
         kernel.attend(q.double(), pool, KernelBatch(bt, cl, max(lens), 16), 1.0)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernel.attend(q, pool.half(), KernelBatch(bt, cl, max(lens), 16), 1.0)
     with pytest.raises(ValueError, match="int64"):
         KernelBatch(bt.int(), cl, max(lens), 16)
     with pytest.raises(ValueError, match="longer"):
@@ -189,13 +231,18 @@ def test_without_a_compiler_the_torch_path_serves(
 
 
 def test_backend_choice() -> None:
-    """fp32 on CPU: the kernel (an int8 cache: its own); "torch" or another dtype: torch."""
+    """fp32 or bf16 on CPU: the decode kernel (an int8 cache, fp32 only: its own; the prefill
+    kernel: fp32 only); "torch" or another dtype: torch."""
     from shared.runtime.kv_codec import make_kv_codec
 
     assert select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="torch").name == "torch"
-    assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16).name == "torch"
+    assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16).name == "torch+c-decode"
+    bf16 = select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16, head_dim=64)
+    assert bf16.name == "torch+c-decode"  # no prefill kernel in bf16
+    assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.float16).name == "torch"
     int8 = make_kv_codec("int8")
     assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8).name == "torch+c-int8"
+    assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8, dtype=torch.bfloat16).name == "torch"
     assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8, cpu_attention="torch").name == "torch"
     with pytest.raises(ValueError, match="BATON_CPU_ATTENTION"):
         select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="fast")

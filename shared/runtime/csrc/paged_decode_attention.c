@@ -1,7 +1,8 @@
-/* Decode attention over Baton's paged fp32 KV cache, CPU, in two passes around a softmax.
+/* Decode attention over Baton's paged fp32 or bf16 KV cache, CPU, in two passes around a
+ * softmax.
  *
  * One layer's cache is a K and a V pool of [num_blocks, block_size, num_kv_heads, head_dim]
- * floats; sequence b's position t lives in block block_tables[b][t / block_size] at offset
+ * fp32 or bf16 elements; sequence b's position t lives in block block_tables[b][t / block_size] at offset
  * t % block_size. The torch path gathers K into a padded copy and sums V rows through
  * embedding_bag, one row of head_dim floats at a time. Here each pass walks a sequence's blocks
  * in place, a whole slot row (every KV head) at a time: K and V are each read once, contiguously
@@ -16,41 +17,63 @@
  * below it are never read (their blocks may have been freed). 
  * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both split the batch
  * into up to `parts` row ranges on threads of their own (disjoint writes). Common head sizes are
- * specialised so the inner loops unroll into registers; any other size takes the generic loop. */
+ * specialised so the inner loops unroll into registers; any other size takes the generic loop.
+ *
+ * Element types: q, the scores, the probabilities and the output are fp32 whatever the cache
+ * holds; a bf16 element widens exactly to fp32 (its 16 bits are a float's top half), so both
+ * caches share one code path, each pass compiled once per element type (always_inline with the
+ * type a constant: no branch is left in the loops). In bf16 this replaces torch's gather, bmm
+ * and embedding_bag, ~25% of a batch-16 decode step at the Qwen2-0.5B shape. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Element i of a pool of fp32 (bf16 = 0) or bf16 (bf16 = 1) elements, as fp32. */
+INLINE float kv_at(const void *pool, int64_t i, int bf16)
+{
+    if (!bf16) return ((const float *)pool)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)pool)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE const void *kv_ptr(const void *pool, int64_t i, int bf16)
+{
+    return (const char *)pool + i * (bf16 ? 2 : 4);
+}
 
 /* Ask for the next block's rows while this one is computed: blocks sit anywhere in the pool,
  * so the hardware prefetcher, which follows the current run, would miss the jump (measured
  * batch 64, context ~170: attention 2.8 -> 2.5 ms a step with the scores pass alone). Into L2
  * (locality 1: prefetcht2), not L1: a block is 128 lines asked for at once, and on the Zen 4
  * machine L1 prefetches made attention 6.0 -> 4.9 ms slower than these (batch 64, ~160). */
-static inline void prefetch_rows(const float *start, int64_t num_floats)
+static inline void prefetch_rows(const void *start, int64_t num_bytes)
 {
     const char *p = (const char *)start;
-    for (int64_t b = 0; b < num_floats * (int64_t)sizeof(float); b += 64)
-        __builtin_prefetch(p + b, 0, 1);
+    for (int64_t b = 0; b < num_bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
-static inline void scores_one(const float *restrict q, const float *restrict k_pool,
-                              const int64_t *restrict table, int64_t start, int64_t len,
-                              int64_t num_heads, int64_t group, int64_t head_dim,
-                              int64_t block_size, float scale, float *restrict scores,
-                              int64_t stride)
+INLINE void scores_one(const float *restrict q, const void *restrict k_pool,
+                       const int64_t *restrict table, int64_t start, int64_t len,
+                       int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                       float scale, float *restrict scores, int64_t stride, int bf16)
 {
     const int64_t row = num_heads / group * head_dim;
     for (int64_t t0 = start; t0 < len;) { /* the part of one block within [start, len) */
         const int64_t off = t0 % block_size;
         const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
-        const float *kb = k_pool + (table[t0 / block_size] * block_size + off) * row;
+        const int64_t kb = (table[t0 / block_size] * block_size + off) * row;
         for (int64_t i = 0; i < n; i++) {
-            const float *krow = kb + i * row;
+            const int64_t krow = kb + i * row;
             for (int64_t hq = 0; hq < num_heads; hq++) {
-                const float *k = krow + hq / group * head_dim, *qh = q + hq * head_dim;
+                const int64_t k = krow + hq / group * head_dim;
+                const float *qh = q + hq * head_dim;
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * k[d];
+                for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kv_at(k_pool, k + d, bf16);
                 scores[hq * stride + t0 - start + i] = acc * scale;
             }
         }
@@ -66,11 +89,29 @@ static inline void scores_one(const float *restrict q, const float *restrict k_p
  * sums) instead of one horizontal reduction per token (~8 ops each). GCC/Clang vector types:
  * AVX-512 where -march=native has it, pairs of AVX2 registers elsewhere. */
 typedef float v16 __attribute__((vector_size(64)));
+/* The widest KV row (KV heads x head size) a bf16 tile widens into fp32 scratch (16 rows: 64 KiB
+ * of stack at most). */
+#define MAX_WIDENED_ROW 1024
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p)
 {
     v16 v;
     memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Sixteen pool elements from p, as fp32. */
+INLINE v16 load16_kv(const void *p, int bf16)
+{
+    if (!bf16) return load16(p);
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 v;
+    memcpy(&v, &w, sizeof v);
     return v;
 }
 
@@ -96,35 +137,49 @@ static inline v16 sum16(v16 a[16])
          + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-static inline void scores_one_vec(const float *restrict q, const float *restrict k_pool,
-                                  const int64_t *restrict table, int64_t start, int64_t len,
-                                  int64_t num_heads, int64_t group, int64_t head_dim,
-                                  int64_t block_size, float scale, float *restrict scores,
-                                  int64_t stride)
+INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
+                           const int64_t *restrict table, int64_t start, int64_t len,
+                           int64_t num_heads, int64_t group, int64_t head_dim,
+                           int64_t block_size, float scale, float *restrict scores,
+                           int64_t stride, int bf16)
 {
-    const int64_t row = num_heads / group * head_dim;
-    const float *krows[16];
+    const int64_t row = num_heads / group * head_dim, esize = bf16 ? 2 : 4;
+    /* bf16: the tile's rows are widened once into fp32, not once per query head of a group
+     * (Qwen2-0.5B: 7 query heads a KV head); very wide rows convert in place instead. */
+    const int widen = bf16 && row <= MAX_WIDENED_ROW;
+    float tile[widen ? 16 * row : 1];
+    const void *krows[16];
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         for (int64_t j = 0; j < 16; j++) {  /* rows past the context repeat the first */
             const int64_t t = t0 + (j < n ? j : 0);
-            krows[j] = k_pool + (table[t / block_size] * block_size + t % block_size) * row;
+            krows[j] = kv_ptr(k_pool, (table[t / block_size] * block_size + t % block_size) * row,
+                              bf16);
         }
         if (t0 + 16 < len && block_size >= 16) { /* the next tile's rows: elsewhere in the pool */
             const int64_t t = t0 + 16, last = len - 1 < t + 15 ? len - 1 : t + 15;
             const int64_t b = last / block_size;
             if (b != (t - 1) / block_size) /* its rows from b's start: one contiguous run */
-                prefetch_rows(k_pool + table[b] * block_size * row,
-                              (last - b * block_size + 1) * row);
+                prefetch_rows(kv_ptr(k_pool, table[b] * block_size * row, bf16),
+                              (last - b * block_size + 1) * row * esize);
         }
+        const int in_bf16 = bf16 && !widen; /* what krows point at from here on */
+        if (widen)
+            for (int j = 0; j < 16; j++) {
+                for (int64_t c = 0; c < row; c += 16) {
+                    const v16 k = load16_kv(kv_ptr(krows[j], c, 1), 1);
+                    memcpy(tile + j * row + c, &k, sizeof k);
+                }
+                krows[j] = tile + j * row;
+            }
         for (int64_t hq = 0; hq < num_heads; hq++) {
             const float *qh = q + hq * head_dim;
             const int64_t off = hq / group * head_dim;
             v16 a[16];
             for (int j = 0; j < 16; j++) {
-                v16 acc = load16(qh) * load16(krows[j] + off);
+                v16 acc = load16(qh) * load16_kv(kv_ptr(krows[j], off, in_bf16), in_bf16);
                 for (int64_t c = 16; c < head_dim; c += 16)
-                    acc += load16(qh + c) * load16(krows[j] + off + c);
+                    acc += load16(qh + c) * load16_kv(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
                 a[j] = acc;
             }
             const v16 r = sum16(a) * scale;
@@ -136,12 +191,12 @@ static inline void scores_one_vec(const float *restrict q, const float *restrict
 }
 #endif
 
-static inline void values_one(const float *restrict probs, const float *restrict v_pool,
-                              const int64_t *restrict table, int64_t start, int64_t len,
-                              int64_t num_heads, int64_t group, int64_t head_dim,
-                              int64_t block_size, int64_t stride, float *restrict out)
+INLINE void values_one(const float *restrict probs, const void *restrict v_pool,
+                       const int64_t *restrict table, int64_t start, int64_t len,
+                       int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                       int64_t stride, float *restrict out, int bf16)
 {
-    const int64_t row = num_heads / group * head_dim;
+    const int64_t row = num_heads / group * head_dim, esize = bf16 ? 2 : 4;
     for (int64_t hq = 0; hq < num_heads; hq++) {
         float acc[head_dim];
         memset(acc, 0, sizeof acc);
@@ -149,21 +204,58 @@ static inline void values_one(const float *restrict probs, const float *restrict
         for (int64_t t0 = start; t0 < len;) { /* the part of one block within [start, len) */
             const int64_t off = t0 % block_size, next = t0 - off + block_size;
             const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
-            const float *vb = v_pool + (table[t0 / block_size] * block_size + off) * row;
+            const int64_t vb = (table[t0 / block_size] * block_size + off) * row;
             if (hq == 0 && next < len) /* the first pass fetches; the rest hit cache */
-                prefetch_rows(v_pool + table[next / block_size] * block_size * row,
-                              (len - next < block_size ? len - next : block_size) * row);
-            vb += hq / group * head_dim;
+                prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, bf16),
+                              (len - next < block_size ? len - next : block_size) * row * esize);
+            const int64_t vh = vb + hq / group * head_dim;
             t0 += n;
             for (int64_t i = 0; i < n; i++) {
-                const float w = p[t0 - n + i], *v = vb + i * row;
+                const float w = p[t0 - n + i];
+                const int64_t v = vh + i * row;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += w * kv_at(v_pool, v + d, bf16);
             }
         }
         memcpy(out + hq * head_dim, acc, sizeof acc);
     }
 }
+
+#ifdef BATON_VECTOR_SCORES
+/* bf16, head sizes that are multiples of 16: each V row is widened once for its whole group of
+ * query heads, which accumulate side by side (values_one walks the tokens once per query head:
+ * right for fp32, whose row is re-read from cache, but it would widen each row `group` times). */
+INLINE void values_grouped_bf16(const float *restrict probs, const void *restrict v_pool,
+                                const int64_t *restrict table, int64_t start, int64_t len,
+                                int64_t num_heads, int64_t group, int64_t head_dim,
+                                int64_t block_size, int64_t stride, float *restrict out)
+{
+    const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        float acc[group * head_dim];
+        memset(acc, 0, sizeof acc);
+        const float *p = probs + h * group * stride - start; /* p[g * stride + t] */
+        for (int64_t t0 = start; t0 < len;) {
+            const int64_t off = t0 % block_size, next = t0 - off + block_size;
+            const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+            const int64_t vb = (table[t0 / block_size] * block_size + off) * row + h * head_dim;
+            if (h == 0 && next < len)
+                prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, 1),
+                              (len - next < block_size ? len - next : block_size) * row * 2);
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = 0; c < head_dim; c += 16) {
+                    const v16 v = load16_kv(kv_ptr(v_pool, vb + i * row + c, 1), 1);
+                    for (int64_t g = 0; g < group; g++) {
+                        const v16 a = load16(acc + g * head_dim + c) + p[g * stride + t0 + i] * v;
+                        memcpy(acc + g * head_dim + c, &a, sizeof a);
+                    }
+                }
+            t0 += n;
+        }
+        memcpy(out + h * group * head_dim, acc, sizeof acc);
+    }
+}
+#endif
 
 #define SPECIALISED(call, head_dim, ...)                                                     \
     switch (head_dim) {                                                                      \
@@ -176,21 +268,30 @@ static inline void values_one(const float *restrict probs, const float *restrict
 #ifdef BATON_VECTOR_SCORES
 #define SCORES(qb, table, start, len, sb, D)                                                 \
     ((D) % 16 == 0 ? scores_one_vec(qb, k_pool, table, start, len, num_heads, group, D,      \
-                                    block_size, scale, sb, stride)                           \
+                                    block_size, scale, sb, stride, bf16)                     \
                    : scores_one(qb, k_pool, table, start, len, num_heads, group, D,          \
-                                block_size, scale, sb, stride))
+                                block_size, scale, sb, stride, bf16))
 #else
 #define SCORES(qb, table, start, len, sb, D)                                                 \
     scores_one(qb, k_pool, table, start, len, num_heads, group, D, block_size, scale, sb,    \
-               stride)
+               stride, bf16)
 #endif
+#ifdef BATON_VECTOR_SCORES
+#define VALUES(pb, table, start, len, ob, D)                                                 \
+    (bf16 && (D) % 16 == 0                                                                   \
+         ? values_grouped_bf16(pb, v_pool, table, start, len, num_heads, group, D,           \
+                               block_size, stride, ob)                                       \
+         : values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size,        \
+                      stride, ob, bf16))
+#else
 #define VALUES(pb, table, start, len, ob, D) \
-    values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size, stride, ob)
+    values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size, stride, ob, bf16)
+#endif
 
 /* A pass over batch rows [b0, b1): the arguments of one exported call. */
 struct pass_args {
     const float *in;  /* q (scores) or probs (values) */
-    const float *pool;
+    const void *pool; /* fp32 or bf16 elements: the caller's entry point says which */
     const int64_t *block_tables;
     int64_t max_blocks;
     const int64_t *context_lens;
@@ -201,11 +302,12 @@ struct pass_args {
     int64_t stride;
 };
 
-static void scores_rows(const struct pass_args *a, int64_t b0, int64_t b1)
+INLINE void scores_rows(const struct pass_args *a, int64_t b0, int64_t b1, int bf16)
 {
     const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
     const int64_t block_size = a->block_size, stride = a->stride;
-    const float *k_pool = a->pool, scale = a->scale;
+    const void *k_pool = a->pool;
+    const float scale = a->scale;
     for (int64_t b = b0; b < b1; b++) {
         const float *qb = a->in + b * num_heads * a->head_dim;
         float *sb = a->out + b * num_heads * stride;
@@ -216,11 +318,11 @@ static void scores_rows(const struct pass_args *a, int64_t b0, int64_t b1)
     }
 }
 
-static void values_rows(const struct pass_args *a, int64_t b0, int64_t b1)
+INLINE void values_rows(const struct pass_args *a, int64_t b0, int64_t b1, int bf16)
 {
     const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
     const int64_t block_size = a->block_size, stride = a->stride;
-    const float *v_pool = a->pool;
+    const void *v_pool = a->pool;
     for (int64_t b = b0; b < b1; b++) {
         const float *pb = a->in + b * num_heads * stride;
         float *ob = a->out + b * num_heads * a->head_dim;
@@ -237,6 +339,24 @@ static void values_rows(const struct pass_args *a, int64_t b0, int64_t b1)
  * and each is computed the same way whichever thread takes it. */
 typedef void (*rows_fn)(const struct pass_args *, int64_t, int64_t);
 
+/* Each pass once per element type. */
+static void scores_rows_f32(const struct pass_args *a, int64_t b0, int64_t b1)
+{
+    scores_rows(a, b0, b1, 0);
+}
+static void scores_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
+{
+    scores_rows(a, b0, b1, 1);
+}
+static void values_rows_f32(const struct pass_args *a, int64_t b0, int64_t b1)
+{
+    values_rows(a, b0, b1, 0);
+}
+static void values_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
+{
+    values_rows(a, b0, b1, 1);
+}
+
 static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int64_t parts)
 {
     if (parts > batch) parts = batch;
@@ -248,27 +368,32 @@ static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int
     for (int64_t i = 0; i < parts; i++) fn(a, batch * i / parts, batch * (i + 1) / parts);
 }
 
-void baton_paged_decode_scores_f32(const float *q, const float *k_pool,
-                                   const int64_t *block_tables, int64_t max_blocks,
-                                   const int64_t *context_lens, const int64_t *starts,
-                                   int64_t batch, int64_t parts, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                   float scale, float *scores, int64_t stride)
-{
-    const struct pass_args a = {q, k_pool, block_tables, max_blocks, context_lens, starts,
-                                num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                stride};
-    split_rows(scores_rows, &a, batch, parts);
-}
+/* The exported passes: the pools' element type is in the name (q, scores, probs, out: fp32). */
+#define SCORES_ENTRY(name, pool_t, rows)                                                     \
+    void name(const float *q, const pool_t *k_pool, const int64_t *block_tables,             \
+              int64_t max_blocks, const int64_t *context_lens, const int64_t *starts,        \
+              int64_t batch, int64_t parts, int64_t num_heads, int64_t num_kv_heads,         \
+              int64_t head_dim, int64_t block_size, float scale, float *scores,              \
+              int64_t stride)                                                                \
+    {                                                                                        \
+        const struct pass_args a = {q, k_pool, block_tables, max_blocks, context_lens,       \
+                                    starts, num_heads, num_kv_heads, head_dim, block_size,   \
+                                    scale, scores, stride};                                  \
+        split_rows(rows, &a, batch, parts);                                                  \
+    }
+#define VALUES_ENTRY(name, pool_t, rows)                                                     \
+    void name(const float *probs, const pool_t *v_pool, const int64_t *block_tables,         \
+              int64_t max_blocks, const int64_t *context_lens, const int64_t *starts,        \
+              int64_t batch, int64_t parts, int64_t num_heads, int64_t num_kv_heads,         \
+              int64_t head_dim, int64_t block_size, int64_t stride, float *out)              \
+    {                                                                                        \
+        const struct pass_args a = {probs, v_pool, block_tables, max_blocks, context_lens,   \
+                                    starts, num_heads, num_kv_heads, head_dim, block_size,   \
+                                    0.f, out, stride};                                       \
+        split_rows(rows, &a, batch, parts);                                                  \
+    }
 
-void baton_paged_decode_values_f32(const float *probs, const float *v_pool,
-                                   const int64_t *block_tables, int64_t max_blocks,
-                                   const int64_t *context_lens, const int64_t *starts,
-                                   int64_t batch, int64_t parts, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                   int64_t stride, float *out)
-{
-    const struct pass_args a = {probs, v_pool, block_tables, max_blocks, context_lens, starts,
-                                num_heads, num_kv_heads, head_dim, block_size, 0.f, out, stride};
-    split_rows(values_rows, &a, batch, parts);
-}
+SCORES_ENTRY(baton_paged_decode_scores_f32, float, scores_rows_f32)
+SCORES_ENTRY(baton_paged_decode_scores_bf16, uint16_t, scores_rows_bf16)
+VALUES_ENTRY(baton_paged_decode_values_f32, float, values_rows_f32)
+VALUES_ENTRY(baton_paged_decode_values_bf16, uint16_t, values_rows_bf16)
