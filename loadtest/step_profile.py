@@ -2,7 +2,7 @@
 
     flock /tmp/baton-bench.lock python3 -m loadtest.step_profile \
         [--model /tmp/baton-models/qwen2-0.5b] [--dtype float32 bfloat16] [--threads 1 2] \
-        [--batch 16] [--prompt 128] [--context 160] [--profile]
+        [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile]
 
 The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as the services
 pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
@@ -59,7 +59,10 @@ def _timed(fn: object) -> float:
 
 def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
     torch.set_num_threads(threads)
-    runner = ModelRunner(BatonConfig(model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype))
+    config = BatonConfig(
+        model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention
+    )
+    runner = ModelRunner(config)
     model = runner.model
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n
@@ -154,6 +157,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--kv-blocks", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--attention", default="auto", help="BATON_CPU_ATTENTION: auto or torch")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
