@@ -133,14 +133,9 @@ def _shares_cpus(config: BatonConfig, name: str) -> bool:
 
 
 def _cpu_share_pays(config: BatonConfig) -> bool:
-    """Sharing is on, on a CPU, for a model whose steps are long enough to use a second thread
-    (``MIN_SHARED_WEIGHT_BYTES``); otherwise the engines keep the split."""
-    if not (config.cpu_share and config.device == "cpu"):
-        return False
-    from services.shell.common import resolve_model_dir
-    from services.shell.cpu_share import MIN_SHARED_WEIGHT_BYTES, layer_weight_bytes
-
-    return layer_weight_bytes(resolve_model_dir(config), config.dtype) >= MIN_SHARED_WEIGHT_BYTES
+    """Sharing is on (``BATON_CPU_SHARE``) on a CPU, for any model (services/shell/cpu_share.py
+    says why even a small one); otherwise the engines keep the split."""
+    return config.cpu_share and config.device == "cpu"
 
 
 def _engine_cpus(config: BatonConfig) -> dict[str, str]:

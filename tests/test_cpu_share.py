@@ -150,28 +150,6 @@ def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("BATON_DECODE_CPUS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     split = {"prefill": "0,1", "decode": "2,3"}
-    assert _engine_cpus(BatonConfig()) == split  # the tiny model: too small to share
-    monkeypatch.setattr("services.shell.cpu_share.MIN_SHARED_WEIGHT_BYTES", 0)  # "a big model"
-    assert _engine_cpus(BatonConfig()) == {}
+    assert _engine_cpus(BatonConfig()) == {}  # any model shares, the tiny one too
     assert _engine_cpus(BatonConfig(cpu_share=False)) == split
-
-
-def test_only_a_model_big_enough_shares_the_cores() -> None:
-    """The tiny and bench models keep the split (sharing cost the bench 18%); Qwen2-0.5B's shape,
-    in either dtype, shares."""
-    from services.shell.cpu_share import MIN_SHARED_WEIGHT_BYTES, layer_weight_bytes
-    from shared.config import DEFAULT_MODEL_DIR
-    from shared.models.tiny import ensure_tiny_model
-    from shared.models.tiny.builder import PRESETS
-
-    tiny = ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
-    assert layer_weight_bytes(tiny, "float32") < MIN_SHARED_WEIGHT_BYTES
-
-    def preset_bytes(name: str, itemsize: int) -> int:  # counted here from the preset itself
-        p = PRESETS[name]
-        q, kv = p.num_attention_heads * p.head_dim, p.num_key_value_heads * p.head_dim
-        per_layer = p.hidden_size * (2 * q + 2 * kv) + 3 * p.hidden_size * p.intermediate_size
-        return p.num_hidden_layers * per_layer * itemsize
-
-    assert preset_bytes("qwen2-0.5b", 2) >= MIN_SHARED_WEIGHT_BYTES  # bf16 too
-    assert preset_bytes("bench", 4) < MIN_SHARED_WEIGHT_BYTES
+    assert _engine_cpus(BatonConfig(device="cuda")) == split  # only CPU engines share

@@ -34,12 +34,11 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 T = TypeVar("T")
-# Below this many bytes of layer weights a step is too short for a second thread to pay: on the
-# bench model (14 MB fp32) sharing cost 18% throughput (small bench, 3 passes each, quiet 2-core
-# Xeon, 2026-12-05: 3,328 tok/s split vs 2,729 shared; TPOT p50 7.4 -> 14.9 ms), while the
-# Qwen2-0.5B shape (1.45 GB fp32, 0.72 GB bf16) gained 34-51% in fp32. The engines keep the
-# split (services/shell/cpus.py) below it.
-MIN_SHARED_WEIGHT_BYTES = 64 << 20
+# Every model shares, however small. Sharing once cost the bench model (14 MB of fp32 weights)
+# 18% (3,328 tok/s split vs 2,729 shared, 2026-12-05), and only models of 64 MiB of layer
+# weights and more shared; since decode yields to a prefill wave and OpenMP's team spins
+# between GEMMs, the bench model gains from it too (median of three passes, four alternating
+# pairs, 2-core Xeon: 4,578 tok/s split vs 5,012 shared on average, TTFT p50 ~280 -> ~200 ms).
 SLOTS = 16
 SLOT = struct.Struct("<qqd")  # pid, busy, heartbeat (time.time())
 # A slot's busy field: 0 idle, else which engine is busy (a reader that only asks "busy?" reads
@@ -56,17 +55,6 @@ def table_path(amqp_url: str, cpus: frozenset[int], root: Path = SHM_DIR) -> Pat
     url = urlsplit(amqp_url)
     where = f"{url.hostname}:{url.port}{url.path or '/'}|{','.join(map(str, sorted(cpus)))}"
     return root / f"baton-cpu-{hashlib.sha1(where.encode()).hexdigest()[:16]}"
-
-
-def layer_weight_bytes(model_dir: Path, dtype: str) -> int:
-    """Bytes of the model's layer matmul weights (what one step streams), from its config.json."""
-    from shared.runtime.model_config import ModelConfig
-
-    c = ModelConfig.from_dir(model_dir)
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    itemsize = 4 if dtype == "float32" else 2
-    return c.num_layers * per_layer * itemsize
 
 
 def fair_share(cores: int, others_busy: int) -> int:
