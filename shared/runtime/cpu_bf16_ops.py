@@ -4,7 +4,9 @@ RMSNorm (optionally after the residual add, in place), SiLU(gate) * up over the 
 output, and rotate-half RoPE in place: each one pass over its rows, fp32 inside, no temporaries.
 Used for bf16 models only: fp32 keeps torch's ops, whose bits the parity contract pins. Built and
 loaded like the other kernels; without a compiler torch's ops serve. What each rounds, and the
-figures that chose it: the C file.
+figures that chose it: the C file. Each call splits its rows on torch's OpenMP team, into
+``torch.get_num_threads()`` parts (read at each call, as the engine's CPU share moves it), fewer
+for a small call.
 """
 
 from __future__ import annotations
@@ -17,9 +19,18 @@ import torch
 from shared.native.build import CSRC, load_library
 
 SOURCE = CSRC / "bf16_ops.c"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared",
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared",
          "-std=c11")  # fmt: skip
 MAX_HEAD_DIM = 512  # the RoPE kernel's row buffer
+# Output elements per part below which a split costs more than it saves (a wake of the team is
+# a few microseconds; a decode step's SiLU * up, 16 x 4864, is ~70 us on one thread).
+MIN_PART_ELEMS = 1 << 14
+
+
+def parts(elems: int) -> int:
+    """How many row ranges a call over ``elems`` output elements splits into."""
+    return max(1, min(torch.get_num_threads(), elems // MIN_PART_ELEMS))
+
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -38,13 +49,13 @@ class Bf16Kernels:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._norm = lib.baton_rms_norm_bf16
-        self._norm.argtypes = [_P, _I, _I, _I, _P, _F, _P]
+        self._norm.argtypes = [_P, _I, _I, _I, _P, _F, _P, _I]
         self._add_norm = lib.baton_add_rms_norm_bf16
-        self._add_norm.argtypes = [_P, _P, _I, _I, _P, _F, _P]
+        self._add_norm.argtypes = [_P, _P, _I, _I, _P, _F, _P, _I]
         self._silu_mul = lib.baton_silu_mul_bf16
-        self._silu_mul.argtypes = [_P, _I, _I, _I, _P]
+        self._silu_mul.argtypes = [_P, _I, _I, _I, _P, _I]
         self._rope = lib.baton_rope_bf16
-        self._rope.argtypes = [_P, _I, _I, _I, _I, _P, _P]
+        self._rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I]
         for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
             fn.restype = None
 
@@ -54,7 +65,8 @@ class Bf16Kernels:
             raise ValueError(f"x {tuple(x.shape)} {x.dtype}: not bf16 rows of the weight's size")
         out = torch.empty(x.shape, dtype=torch.bfloat16)
         self._norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-                   weight.contiguous().data_ptr(), eps, out.data_ptr())  # fmt: skip
+                   weight.contiguous().data_ptr(), eps, out.data_ptr(),
+                   parts(out.numel()))  # fmt: skip
         return out
 
     def add_rms_norm(
@@ -68,7 +80,8 @@ class Bf16Kernels:
         delta = delta.contiguous()
         out = torch.empty(hidden.shape, dtype=torch.bfloat16)
         self._add_norm(hidden.data_ptr(), delta.data_ptr(), hidden.shape[0], hidden.shape[1],
-                       weight.contiguous().data_ptr(), eps, out.data_ptr())  # fmt: skip
+                       weight.contiguous().data_ptr(), eps, out.data_ptr(),
+                       parts(out.numel()))  # fmt: skip
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -77,7 +90,8 @@ class Bf16Kernels:
             raise ValueError(f"gate_up {tuple(gate_up.shape)} {gate_up.dtype}: not bf16 rows")
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter, dtype=torch.bfloat16)
-        self._silu_mul(gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr())
+        self._silu_mul(gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(),
+                       parts(out.numel()))  # fmt: skip
         return out
 
     @staticmethod
@@ -104,7 +118,7 @@ class Bf16Kernels:
             return False
         num_tokens, num_heads, head_dim = x.shape
         self._rope(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), cos.data_ptr(),
-                   sin.data_ptr())  # fmt: skip
+                   sin.data_ptr(), parts(num_tokens * num_heads * head_dim))  # fmt: skip
         return True
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.runtime.cpu_bf16_ops import Bf16Kernels, load_bf16_ops
+from shared.runtime.cpu_bf16_ops import MIN_PART_ELEMS, Bf16Kernels, load_bf16_ops, parts
 from shared.runtime.model import apply_rope, rms_norm, rope_tables
-from tests.runtime.helpers import built_or_skip
+from tests.runtime.helpers import built_or_skip, torch_threads
 
 BF16_STEP = 2**-7  # one bf16 rounding, relative: 8 bits of mantissa
 
@@ -97,3 +97,32 @@ def test_refuses_what_it_does_not_take(kernels: Bf16Kernels) -> None:
     cos = torch.ones(4, 1, 8, dtype=torch.bfloat16)
     assert not kernels.rotate(x.view(4, 1, 8), cos, cos)  # fp32: the torch form serves
     assert not kernels.rotate(x.bfloat16().view(4, 1, 8), cos, cos.float())  # fp32 tables
+
+
+def test_a_call_split_across_threads_gives_the_same_bits(kernels: Bf16Kernels) -> None:
+    """Each call splits its rows on torch's threads (``parts``): every row is computed the same
+    way whichever thread takes it, so one thread and four give the same bits."""
+    g = torch.Generator().manual_seed(7)
+    rows, hidden_size, inter, heads, head_dim = 67, 896, 4864, 14, 64
+    x = torch.randn(rows, hidden_size, generator=g).bfloat16()
+    delta = torch.randn(rows, hidden_size, generator=g).bfloat16()
+    weight = torch.randn(hidden_size, generator=g).bfloat16()
+    gate_up = torch.randn(rows, 2 * inter, generator=g).bfloat16()
+    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_tables(torch.arange(rows), inv_freq, torch.bfloat16)
+
+    def run() -> list[torch.Tensor]:
+        h, qr = x.clone(), q.clone()
+        normed = kernels.add_rms_norm(h, delta, weight, 1e-6)
+        assert kernels.rotate(qr, cos, sin)
+        return [kernels.rms_norm(x, weight, 1e-6), normed, h, kernels.silu_mul(gate_up), qr]
+
+    with torch_threads(1):
+        assert parts(rows * inter) == 1
+        one = run()
+    with torch_threads(4):
+        assert parts(rows * inter) == 4 and parts(MIN_PART_ELEMS - 1) == 1
+        four = run()
+    for a, b in zip(one, four, strict=True):
+        assert torch.equal(a, b)
