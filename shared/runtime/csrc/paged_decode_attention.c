@@ -2,8 +2,8 @@
  * softmax.
  *
  * One layer's cache is a K and a V pool of [num_blocks, block_size, num_kv_heads, head_dim]
- * fp32 or bf16 elements; sequence b's position t lives in block block_tables[b][t / block_size] at offset
- * t % block_size. The torch path gathers K into a padded copy and sums V rows through
+ * fp32 or bf16 elements; sequence b's position t lives in block block_tables[b][t / block_size]
+ * at offset t % block_size. The torch path gathers K into a padded copy and sums V rows through
  * embedding_bag, one row of head_dim floats at a time. Here each pass walks a sequence's blocks
  * in place, a whole slot row (every KV head) at a time: K and V are each read once, contiguously
  * within a block, and nothing is copied.
@@ -23,7 +23,7 @@
  * holds; a bf16 element widens exactly to fp32 (its 16 bits are a float's top half), so both
  * caches share one code path, each pass compiled once per element type (always_inline with the
  * type a constant: no branch is left in the loops). In bf16 this replaces torch's gather, bmm
- * and embedding_bag, ~25% of a batch-16 decode step at the Qwen2-0.5B shape. */
+ * and embedding_bag: a batch-16 decode step of the Qwen2-0.5B shape, 44-45 -> 40.5 ms. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
