@@ -388,3 +388,29 @@ def test_loadtest_command_line_lists_and_finds_every_tool(capsys: pytest.Capture
     assert table["overhead"] == cli.Command("bench", ("--fixed-overhead",), table["overhead"].about)
     assert cli.main(["no-such-tool"]) == 2
     assert "no tool named" in capsys.readouterr().err
+
+
+def test_hf_baseline_ignores_eos_as_baton_and_vllm_do() -> None:
+    """HF's baseline generates past an EOS id without masking it (``ignore_eos``), so its
+    greedy outputs are comparable with Baton's: equal, request by request, to transformers'
+    unbatched greedy with ``eos_token_id=None``. The two requests are ones whose greedy output
+    on the bench model emits an EOS id (checked below); with EOS suppressed (the baseline's old
+    ``min_new_tokens``) HF took the runner-up there and disagreed with Baton and vLLM."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loadtest.baselines import hf_baseline
+    from tests.runtime.helpers import greedy, hf_greedy, tiny_model_dir, torch_threads
+
+    model_dir = tiny_model_dir("llama", "bench")
+    specs = make_workload(64, 128, 16, 4096, seed=0, exclude_ids=frozenset({0, 1, 2}))
+    chosen = [specs[32], specs[63]]
+    with torch_threads(1):
+        got = hf_baseline(model_dir, chosen, batch_size=2)["token_ids"]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        want = [
+            hf_greedy(model, list(s.prompt_token_ids), greedy(16, ignore_eos=True)) for s in chosen
+        ]
+    assert got == want
+    eos_ids = {0, 2}  # the bench model's generation_config.eos_token_id
+    assert all(eos_ids & set(ids) for ids in got)  # the case this is about: an EOS id emitted
