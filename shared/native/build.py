@@ -73,6 +73,13 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def split_parts(units: int, min_units: int, threads: int) -> int:
+    """How many ranges a native call splits ``units`` of work into on torch's OpenMP team: one
+    per thread (``threads``: the caller's ``torch.get_num_threads()``, capped where it caps it),
+    none of fewer than ``min_units``, at least one. The rule of every C kernel's split."""
+    return max(1, min(threads, units // min_units))
+
+
 def default_cache_dir() -> Path:
     """``$BATON_CACHE_DIR``, else ``$XDG_CACHE_HOME/baton``, else ``~/.cache/baton``; a
     per-user temp directory where that is not writable (a read-only home in a container)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from shared.native.build import CSRC, load_library, usable_cpus
+from shared.native.build import CSRC, load_library, split_parts, usable_cpus
 
 SOURCE = CSRC / "paged_decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -93,8 +93,9 @@ class DecodeKernel:
     def parts(self, batch: int) -> int:
         """Row ranges a pass splits into: torch's current thread count (up to ``max_threads``),
         and no range under ``MIN_ROWS_PER_THREAD`` rows."""
-        threads = min(self.max_threads, torch.get_num_threads())
-        return min(threads, max(1, batch // MIN_ROWS_PER_THREAD))
+        return split_parts(
+            batch, MIN_ROWS_PER_THREAD, min(self.max_threads, torch.get_num_threads())
+        )
 
 
 @dataclass(frozen=True)

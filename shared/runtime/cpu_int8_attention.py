@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shared.native.build import CSRC, load_library, usable_cpus
+from shared.native.build import CSRC, load_library, split_parts, usable_cpus
 from shared.runtime.cpu_attention import MIN_ROWS_PER_THREAD
 
 SOURCE = CSRC / "paged_decode_int8.c"
@@ -139,8 +139,9 @@ class Int8DecodeKernel:
 
     def parts(self, batch: int) -> int:
         """The batch's row ranges, as cpu_attention.DecodeKernel splits them."""
-        threads = min(self.max_threads, torch.get_num_threads())
-        return min(threads, max(1, batch // MIN_ROWS_PER_THREAD))
+        return split_parts(
+            batch, MIN_ROWS_PER_THREAD, min(self.max_threads, torch.get_num_threads())
+        )
 
 
 def load_int8_kernel(

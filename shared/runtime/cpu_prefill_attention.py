@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from shared.native.build import CSRC, load_library, usable_cpus
+from shared.native.build import CSRC, load_library, split_parts, usable_cpus
 
 SOURCE = CSRC / "prefill_attention.c"
 # Contracted multiply-adds (FMA): the decode kernel's flags plus -ffp-contract=fast, which
@@ -95,7 +95,7 @@ class PrefillKernel:
             raise MemoryError("prefill attention could not allocate its scratch tiles")
 
     def parts(self, num_seqs: int) -> int:
-        return max(1, min(self.max_threads, torch.get_num_threads(), num_seqs))
+        return split_parts(num_seqs, 1, min(self.max_threads, torch.get_num_threads()))
 
 
 def load_prefill_kernel(
