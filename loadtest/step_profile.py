@@ -2,7 +2,8 @@
 
     flock /tmp/baton-bench.lock python3 -m loadtest.step_profile \
         [--model /tmp/baton-models/qwen2-0.5b] [--dtype float32 bfloat16] [--threads 1 2] \
-        [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile]
+        [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile] \
+        [--contend 3.4,10]
 
 The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as the services
 pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
@@ -10,6 +11,10 @@ whole batch until the context reaches ``context`` tokens; the median step over t
 reported. Floors beside them: decode = weight bytes / memory bandwidth (a 1 GB ``sum`` probe),
 prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype, on the
 run's threads); the bandwidth probe runs on every usable core, the machine's floor.
+``--contend BUSY_MS,PERIOD_MS`` then replays one decode step in blocks, alternately quiet and
+beside a process busy ``BUSY_MS`` in every ~``PERIOD_MS`` (as the broker and the light services
+are beside the engines on a small machine): a step split across threads waits for any thread
+the kernel preempts, so this is what sharing the cores costs a step.
 A benchmark: it prints figures and asserts nothing.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 from shared.config import BatonConfig
@@ -49,6 +56,46 @@ def gemm_gflops(dtype: torch.dtype) -> float:
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
     return 2 * 2048 * 896 * 4864 / best / 1e9
+
+
+# The competing process of --contend: busy BUSY ms, then idle for the rest of a period drawn
+# around PERIOD ms (a fixed period would lock onto the step's rhythm).
+_BUSY_LOOP = """
+import random, sys, time
+busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(max(0.0, period * random.uniform(0.5, 1.5) - busy))
+"""
+
+
+def contention(
+    runner: ModelRunner, seqs: list[Sequence], busy_ms: float, period_ms: float
+) -> dict[str, list[float]]:
+    """Seconds of the same decode step (``seqs`` just decoded once), in 16 blocks of 25 steps
+    alternating quiet and beside the busy loop."""
+    times: dict[str, list[float]] = {"quiet": [], "contended": []}
+    for block in range(16):
+        mode = ("quiet", "contended")[block % 2]
+        rival = None
+        if mode == "contended":
+            cmd = [sys.executable, "-c", _BUSY_LOOP, str(busy_ms), str(period_ms)]
+            rival = subprocess.Popen(cmd)
+            time.sleep(0.1)  # started and looping
+        try:
+            for _ in range(25):
+                for s in seqs:  # replay: the last token again
+                    s.num_computed_tokens = s.num_tokens - 1
+                t = time.perf_counter()
+                runner.decode(seqs)
+                times[mode].append(time.perf_counter() - t)
+        finally:
+            if rival is not None:
+                rival.kill()
+                rival.wait()
+    return times
 
 
 def _timed(fn: object) -> float:
@@ -105,8 +152,15 @@ def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
 
     free(wave()[2])  # warm-up
     prefills, decodes = [], []
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         p, steps, seqs = wave()
+        if args.contend and i == args.repeats - 1:
+            busy_ms, period_ms = (float(x) for x in args.contend.split(","))
+            for mode, t in contention(runner, seqs, busy_ms, period_ms).items():
+                print(f"{dtype:9s} threads={threads} decode b{args.batch}@{args.context} {mode:9s}"
+                      f" (busy {busy_ms:g} ms in ~{period_ms:g}): median"
+                      f" {statistics.median(t) * 1e3:6.2f} ms, mean {statistics.mean(t) * 1e3:6.2f}"
+                      f" ms over {len(t)} steps", flush=True)  # fmt: skip
         free(seqs)
         prefills.append(p)
         decodes.append(statistics.median(steps[len(steps) // 2 :]))
@@ -159,6 +213,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--attention", default="auto", help="BATON_CPU_ATTENTION: auto or torch")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--contend", default="", metavar="BUSY_MS,PERIOD_MS",
+        help="also replay a decode step beside a process busy BUSY_MS in every ~PERIOD_MS",
+    )  # fmt: skip
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     for threads in args.threads:

@@ -357,6 +357,17 @@ static void values_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
     values_rows(a, b0, b1, 1);
 }
 
+/* The batch goes out in chunks of about ROWS_PER_CHUNK rows, each taken by whichever thread of
+ * the `parts` is free (a dynamic schedule), not in one fixed range a thread. Two reasons: rows
+ * cost what their context costs, so fixed halves of a batch of mixed lengths finish apart; and
+ * on a machine shared with the broker and the light services, a thread the kernel preempts no
+ * longer leaves its whole range to wait for it (only the chunk it holds). Measured with
+ * `python -m loadtest.step_profile --contend` (bench model, batch 64, context 160, two threads,
+ * 2-core Xeon, 2026-12-05, interleaved): decode step 6.90 / 9.45 / 10.80 ms against 7.06 /
+ * 9.76 / 10.83 quiet, 12.71 / 13.68 / 16.05 against 13.34 / 14.15 / 16.92 beside a process busy
+ * 3.4 ms in every ~10. A row is computed the same way whichever thread takes it. */
+#define ROWS_PER_CHUNK 4
+
 static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int64_t parts)
 {
     if (parts > batch) parts = batch;
@@ -364,8 +375,9 @@ static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int
         fn(a, 0, batch);
         return;
     }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int64_t i = 0; i < parts; i++) fn(a, batch * i / parts, batch * (i + 1) / parts);
+    const int64_t chunks = batch / ROWS_PER_CHUNK > parts ? batch / ROWS_PER_CHUNK : parts;
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+    for (int64_t i = 0; i < chunks; i++) fn(a, batch * i / chunks, batch * (i + 1) / chunks);
 }
 
 /* The exported passes: the pools' element type is in the name (q, scores, probs, out: fp32). */
