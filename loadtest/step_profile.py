@@ -8,8 +8,8 @@
 The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as the services
 pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
 whole batch until the context reaches ``context`` tokens; the median step over the last half is
-reported. Floors beside them: decode = weight bytes / memory bandwidth (a 1 GB ``sum`` probe),
-prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype, on the
+reported. Floors beside them: decode = (weight + KV bytes) / memory bandwidth (a 1 GB ``sum``
+probe), prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype, on the
 run's threads); the bandwidth probe runs on every usable core, the machine's floor.
 ``--contend BUSY_MS,PERIOD_MS`` then replays one decode step in blocks, alternately quiet and
 beside a process busy ``BUSY_MS`` in every ~``PERIOD_MS`` (as the broker and the light services
@@ -167,11 +167,17 @@ def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
     prefill_ms, decode_ms = min(prefills) * 1e3, min(decodes) * 1e3
     bw = bandwidth_gbs()
     peak = gemm_gflops(runner.dtype)
-    decode_floor = weight_bytes / bw / 1e6
+    # Each timed step reads every weight and its batch's KV: the median step is one of the last
+    # half, at a context of about (prompt + 3 x context) / 4 positions.
+    cfg = runner.model_config
+    kv_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.kv_cache.element_size()
+    kv_bytes = args.batch * (args.prompt + 3 * args.context) // 4 * kv_row
+    decode_floor = (weight_bytes + kv_bytes) / bw / 1e6
     prefill_floor = 2 * params * args.batch * args.prompt / peak / 1e6
     print(
         f"{dtype:9s} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
-        f" (floor {decode_floor:5.1f} ms = {weight_bytes / 1e9:.2f} GB / {bw:.1f} GB/s;"
+        f" (floor {decode_floor:5.1f} ms = {weight_bytes / 1e9:.3f} GB weights +"
+        f" {kv_bytes / 1e9:.3f} GB KV / {bw:.1f} GB/s;"
         f" {decode_floor / decode_ms:.0%})  prefill {args.batch}x{args.prompt}:"
         f" {prefill_ms:7.1f} ms (floor {prefill_floor:6.1f} ms at {peak:.0f} GF/s;"
         f" {prefill_floor / prefill_ms:.0%})",

@@ -91,8 +91,9 @@ class DecodeKernel:
         return out.to(out_dtype)
 
     def parts(self, batch: int) -> int:
-        """Row ranges a pass splits into: torch's current thread count (up to ``max_threads``),
-        and no range under ``MIN_ROWS_PER_THREAD`` rows."""
+        """Threads a pass runs on: torch's current thread count (up to ``max_threads``), fewer
+        where a thread would get under ``MIN_ROWS_PER_THREAD`` rows (the C side hands the rows
+        out in chunks, to whichever of them is free)."""
         return split_parts(
             batch, MIN_ROWS_PER_THREAD, min(self.max_threads, torch.get_num_threads())
         )

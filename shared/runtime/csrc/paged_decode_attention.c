@@ -15,8 +15,8 @@
  *
  * start[b] is where a sliding window begins (NULL starts: 0 for every row); block table entries
  * below it are never read (their blocks may have been freed). 
- * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both split the batch
- * into up to `parts` row ranges on threads of their own (disjoint writes). Common head sizes are
+ * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both hand the batch out
+ * in chunks of rows to up to `parts` threads (disjoint writes; split_rows). Common head sizes are
  * specialised so the inner loops unroll into registers; any other size takes the generic loop.
  *
  * Element types: q, the scores, the probabilities and the output are fp32 whatever the cache
@@ -361,11 +361,15 @@ static void values_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
  * the `parts` is free (a dynamic schedule), not in one fixed range a thread. Two reasons: rows
  * cost what their context costs, so fixed halves of a batch of mixed lengths finish apart; and
  * on a machine shared with the broker and the light services, a thread the kernel preempts no
- * longer leaves its whole range to wait for it (only the chunk it holds). Measured with
- * `python -m loadtest.step_profile --contend` (bench model, batch 64, context 160, two threads,
- * 2-core Xeon, 2026-12-05, interleaved): decode step 6.90 / 9.45 / 10.80 ms against 7.06 /
- * 9.76 / 10.83 quiet, 12.71 / 13.68 / 16.05 against 13.34 / 14.15 / 16.92 beside a process busy
- * 3.4 ms in every ~10. A row is computed the same way whichever thread takes it. */
+ * longer leaves its whole range to wait for it (only the chunk it holds). Measured with this
+ * build and the fixed-range one swapped every 25 steps in one process (bench model, batch 64,
+ * context 160, two threads, 2-core Xeon, 2026-12-05, three runs): decode step 6.90 / 9.45 /
+ * 10.80 ms against 7.06 / 9.76 / 10.83 quiet, 12.71 / 13.68 / 16.05 against 13.34 / 14.15 /
+ * 16.92 beside a process busy 3.4 ms in every ~10 (the load of `python -m
+ * loadtest.step_profile --contend 3.4,10`); bf16 at the Qwen2-0.5B shape, batch 16: 87.9
+ * against 88.4 ms quiet. A small gain: most of what a preempted thread costs a step is in the
+ * GEMMs, whose split is the library's. A row is computed the same way whichever thread takes
+ * it. */
 #define ROWS_PER_CHUNK 4
 
 static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int64_t parts)
