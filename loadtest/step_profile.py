@@ -71,6 +71,13 @@ while True:
 """
 
 
+def rewind(seqs: list[Sequence]) -> None:
+    """Make the next decode of ``seqs`` replay their last step (the same token, the same KV
+    slots): a step timed or profiled again without the context growing."""
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+
+
 def contention(
     runner: ModelRunner, seqs: list[Sequence], busy_ms: float, period_ms: float
 ) -> dict[str, list[float]]:
@@ -86,8 +93,7 @@ def contention(
             time.sleep(0.1)  # started and looping
         try:
             for _ in range(25):
-                for s in seqs:  # replay: the last token again
-                    s.num_computed_tokens = s.num_tokens - 1
+                rewind(seqs)
                 t = time.perf_counter()
                 runner.decode(seqs)
                 times[mode].append(time.perf_counter() - t)
@@ -199,8 +205,7 @@ def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
             s.append_token(tok)
             bm.append_slot(s)
         runner.decode(seqs)
-        for s in seqs:
-            s.num_computed_tokens = s.num_tokens - 1
+        rewind(seqs)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             runner.decode(seqs)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
