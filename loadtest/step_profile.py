@@ -8,9 +8,10 @@
 The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as the services
 pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
 whole batch until the context reaches ``context`` tokens; the median step over the last half is
-reported. Floors beside them: decode = (weight + KV bytes) / memory bandwidth (a 1 GB ``sum``
-probe), prefill = 2 x params x tokens / GEMM peak (a ``torch.mm`` probe in the model's dtype, on the
-run's threads); the bandwidth probe runs on every usable core, the machine's floor.
+reported. Floors beside them, by the bench's rules (loadtest/roofline.py: ``decode_floor``, the
+larger of (weight + KV bytes) / memory bandwidth and FLOPs / GEMM peak; ``prefill_flops`` / GEMM
+peak), with its probes: bandwidth on every usable core (the machine's), the GEMM at 2048 x hidden x
+intermediate in the model's dtype on the run's threads.
 ``--contend BUSY_MS,PERIOD_MS`` then replays one decode step in blocks, alternately quiet and
 beside a process busy ``BUSY_MS`` in every ~``PERIOD_MS`` (as the broker and the light services
 are beside the engines on a small machine): a step split across threads waits for any thread
@@ -21,10 +22,12 @@ A benchmark: it prints figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from shared.config import BatonConfig
 from shared.native import mkl_dispatch
@@ -36,26 +39,18 @@ if __name__ == "__main__":  # the engine's MKL kernels, as the services choose t
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from loadtest import roofline  # noqa: E402
 from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  # noqa: E402
 
 
 def bandwidth_gbs() -> float:
-    """The machine's: a 1 GiB ``sum`` on every usable core (one core does not saturate it)."""
+    """The machine's, on every usable core (one core does not saturate it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(usable_cpus())
-    x = torch.ones(2**28)  # 1 GiB fp32
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    torch.set_num_threads(threads)
-    return x.numel() * 4 / best / 1e9
-
-
-def gemm_gflops(dtype: torch.dtype) -> float:
-    a = torch.randn(2048, 896).to(dtype)
-    b = torch.randn(896, 4864).to(dtype)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
-    return 2 * 2048 * 896 * 4864 / best / 1e9
+    try:
+        return roofline.probe_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
 
 
 # The competing process of --contend: busy BUSY ms, then idle for the rest of a period drawn
@@ -104,23 +99,13 @@ def contention(
     return times
 
 
-def _timed(fn: object) -> float:
-    t = time.perf_counter()
-    fn()  # type: ignore[operator]
-    return time.perf_counter() - t
-
-
 def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
     torch.set_num_threads(threads)
     config = BatonConfig(
         model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention
     )
     runner = ModelRunner(config)
-    model = runner.model
-    weight_bytes = sum(
-        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n
-    )
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    shape = roofline.Shape.of(json.loads((Path(args.model) / "config.json").read_text()))
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -172,19 +157,19 @@ def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
         decodes.append(statistics.median(steps[len(steps) // 2 :]))
     prefill_ms, decode_ms = min(prefills) * 1e3, min(decodes) * 1e3
     bw = bandwidth_gbs()
-    peak = gemm_gflops(runner.dtype)
-    # Each timed step reads every weight and its batch's KV: the median step is one of the last
-    # half, at a context of about (prompt + 3 x context) / 4 positions.
-    cfg = runner.model_config
-    kv_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.kv_cache.element_size()
-    kv_bytes = args.batch * (args.prompt + 3 * args.context) // 4 * kv_row
-    decode_floor = (weight_bytes + kv_bytes) / bw / 1e6
-    prefill_floor = 2 * params * args.batch * args.prompt / peak / 1e6
+    peak = roofline.probe_gemm(dtype, 2048, shape.hidden, shape.intermediate)
+    # The median step is one of the last half, at a context of about (prompt + 3 x context) / 4.
+    step = roofline.decode_floor(
+        shape, dtype, args.batch, (args.prompt + 3 * args.context) / 4, bw, peak
+    )
+    prefill_floor = roofline.prefill_flops(shape, [args.prompt] * args.batch)["total"] / peak / 1e6
+    bound = "memory" if step["memory_s"] >= step["compute_s"] else "compute"
     print(
         f"{dtype:9s} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
-        f" (floor {decode_floor:5.1f} ms = {weight_bytes / 1e9:.3f} GB weights +"
-        f" {kv_bytes / 1e9:.3f} GB KV / {bw:.1f} GB/s;"
-        f" {decode_floor / decode_ms:.0%})  prefill {args.batch}x{args.prompt}:"
+        f" (floor {step['floor_s'] * 1e3:5.1f} ms, {bound}: {step['weight_bytes'] / 1e9:.3f} GB"
+        f" weights + {step['kv_bytes'] / 1e9:.3f} GB KV at {bw:.1f} GB/s,"
+        f" {step['flops'] / 1e9:.1f} GFLOP at {peak:.0f} GF/s;"
+        f" {step['floor_s'] * 1e3 / decode_ms:.0%})  prefill {args.batch}x{args.prompt}:"
         f" {prefill_ms:7.1f} ms (floor {prefill_floor:6.1f} ms at {peak:.0f} GF/s;"
         f" {prefill_floor / prefill_ms:.0%})",
         flush=True,
