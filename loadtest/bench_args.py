@@ -36,7 +36,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench", description=DESCRIPTION)
     p.add_argument("--spawn", action="store_true", help="start `python -m services up` itself")
     p.add_argument("--url", default=None, help="AMQP URL without --spawn (env BATON_AMQP_URL)")
-    p.add_argument("--model", default=None, help="HF model dir (default: see resolve_model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="BATON_MODEL: a name, an HF dir or a .gguf file (default: resolve_model)",
+    )
+    p.add_argument(
+        "--weight-format",
+        default="auto",
+        help="BATON_WEIGHT_FORMAT of a GGUF model: auto, packed, dequantized",
+    )
     p.add_argument("--model-shape", choices=sorted(SHAPES), default="bench",
                    help="random-weight model built (once, cached) when spawning without --model; "
                    "sets the workload's defaults")  # fmt: skip

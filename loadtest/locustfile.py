@@ -35,6 +35,7 @@ from locust.env import Environment
 
 from loadtest.workload import LoadMix, Slo, Stat, random_token_ids, read_vocab, tpot
 from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
+from shared.models.catalog import resolve_model
 from shared.wire.messages import (
     DoneReply,
     ErrorReply,
@@ -76,7 +77,7 @@ class LoadUser(User):
         env = os.environ
         self.mix = LoadMix.from_env(env)
         self.timeout_s = float(env.get("BATON_LOCUST_TIMEOUT_S", "120"))
-        self.vocab_size, self.special = read_vocab(BatonConfig.from_env().model_dir)
+        self.vocab_size, self.special = read_vocab(resolve_model(BatonConfig.from_env().model))
         seed = int(env.get("BATON_LOCUST_SEED", "0"))
         self.rng = np.random.default_rng([seed, id(self) & 0xFFFFFFFF])
 

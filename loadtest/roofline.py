@@ -80,10 +80,18 @@ class Shape:
 
 
 def decode_floor(
-    shape: Shape, dtype: str, batch: int, context: float, bandwidth_gbs: float, peak_gflops: float
+    shape: Shape,
+    dtype: str,
+    batch: int,
+    context: float,
+    bandwidth_gbs: float,
+    peak_gflops: float,
+    weight_bytes: float | None = None,
 ) -> dict[str, float]:
-    """Seconds a decode step of ``batch`` sequences of mean ``context`` tokens needs at least."""
-    weight_bytes = (shape.body_params + shape.head_params) * DTYPE_BYTES[dtype]
+    """Seconds a decode step of ``batch`` sequences of mean ``context`` tokens needs at least.
+    ``weight_bytes``: what the engine's weights take where not ``dtype``'s (packed GGUF)."""
+    if weight_bytes is None:
+        weight_bytes = (shape.body_params + shape.head_params) * DTYPE_BYTES[dtype]
     kv_bytes = batch * context * shape.kv_bytes_per_token(dtype)
     flops = 2.0 * (shape.body_params + shape.head_params) * batch
     flops += shape.attention_flops(batch, context)

@@ -2,6 +2,7 @@
 
     flock /tmp/baton-bench.lock python3 -m loadtest.step_profile \
         [--model /tmp/baton-models/qwen2-0.5b] [--dtype float32 bfloat16] [--threads 1 2] \
+        [--weight-format dequantized packed] \
         [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile] \
         [--contend 3.4,10]
 
@@ -27,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from shared.config import BatonConfig
 from shared.native import mkl_dispatch
@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from loadtest import roofline  # noqa: E402
+from shared.models.catalog import resolve_model  # noqa: E402
 from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  # noqa: E402
 
 
@@ -99,13 +100,16 @@ def contention(
     return times
 
 
-def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
+def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) -> None:
     torch.set_num_threads(threads)
     config = BatonConfig(
-        model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention
-    )
+        model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention,
+        weight_format=weight_format,
+    )  # fmt: skip
     runner = ModelRunner(config)
-    shape = roofline.Shape.of(json.loads((Path(args.model) / "config.json").read_text()))
+    model_dir = resolve_model(args.model)
+    shape = roofline.Shape.of(json.loads((model_dir / "config.json").read_text()))
+    label = f"{dtype} {weight_format}"
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
         if args.contend and i == args.repeats - 1:
             busy_ms, period_ms = (float(x) for x in args.contend.split(","))
             for mode, t in contention(runner, seqs, busy_ms, period_ms).items():
-                print(f"{dtype:9s} threads={threads} decode b{args.batch}@{args.context} {mode:9s}"
+                print(f"{label} threads={threads} decode b{args.batch}@{args.context} {mode:9s}"
                       f" (busy {busy_ms:g} ms in ~{period_ms:g}): median"
                       f" {statistics.median(t) * 1e3:6.2f} ms, mean {statistics.mean(t) * 1e3:6.2f}"
                       f" ms over {len(t)} steps", flush=True)  # fmt: skip
@@ -160,16 +164,19 @@ def run(args: argparse.Namespace, dtype: str, threads: int) -> None:
     peak = roofline.probe_gemm(dtype, 2048, shape.hidden, shape.intermediate)
     # The median step is one of the last half, at a context of about (prompt + 3 x context) / 4.
     step = roofline.decode_floor(
-        shape, dtype, args.batch, (args.prompt + 3 * args.context) / 4, bw, peak
-    )
+        shape, dtype, args.batch, (args.prompt + 3 * args.context) / 4, bw, peak,
+        weight_bytes=runner.model.weight_bytes(),
+    )  # fmt: skip
     prefill_floor = roofline.prefill_flops(shape, [args.prompt] * args.batch)["total"] / peak / 1e6
     bound = "memory" if step["memory_s"] >= step["compute_s"] else "compute"
     print(
-        f"{dtype:9s} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
+        f"{label} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
         f" (floor {step['floor_s'] * 1e3:5.1f} ms, {bound}: {step['weight_bytes'] / 1e9:.3f} GB"
         f" weights + {step['kv_bytes'] / 1e9:.3f} GB KV at {bw:.1f} GB/s,"
         f" {step['flops'] / 1e9:.1f} GFLOP at {peak:.0f} GF/s;"
-        f" {step['floor_s'] * 1e3 / decode_ms:.0%})  prefill {args.batch}x{args.prompt}:"
+        f" {step['floor_s'] * 1e3 / decode_ms:.0%}; bandwidth floor"
+        f" {step['memory_s'] * 1e3:5.1f} ms, {step['memory_s'] * 1e3 / decode_ms:.0%})"
+        f"  prefill {args.batch}x{args.prompt}:"
         f" {prefill_ms:7.1f} ms (floor {prefill_floor:6.1f} ms at {peak:.0f} GF/s;"
         f" {prefill_floor / prefill_ms:.0%})",
         flush=True,
@@ -202,6 +209,10 @@ def main() -> None:
     parser.add_argument("--model", default="/tmp/baton-models/qwen2-0.5b")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--weight-format", nargs="+", default=["auto"],
+        help="BATON_WEIGHT_FORMAT (a GGUF model): auto, packed, dequantized",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--context", type=int, default=160)
@@ -217,7 +228,8 @@ def main() -> None:
     args = parser.parse_args()
     for threads in args.threads:
         for dtype in args.dtype:
-            run(args, dtype, threads)
+            for weight_format in args.weight_format:
+                run(args, dtype, threads, weight_format)
 
 
 if __name__ == "__main__":

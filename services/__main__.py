@@ -59,7 +59,8 @@ def run_all(config: BatonConfig) -> int:
     configure_logging(config.log_level, config.log_format, service="up")
     from services.shell.common import resolve_model_dir
 
-    resolve_model_dir(config)  # build the tiny model once, before the services race for it
+    # Fetch or build the model once, before the services race for it.
+    resolve_model_dir(config)
     children: dict[str, subprocess.Popen[bytes]] = {}
     engine_cpus = _engine_cpus(config)
     for s in SERVICES:
@@ -184,9 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     config = BatonConfig.from_args(args)
     # Before torch loads (may re-execute this process; `up`'s children inherit the result).
     mkl_dispatch.ensure(config.mkl_dispatch)
-    if args.service == "up":
-        return run_all(config)
-    run_one(args.service, config)
+    from shared.models.catalog import ModelUnavailable
+
+    try:
+        if args.service == "up":
+            return run_all(config)
+        run_one(args.service, config)
+    except ModelUnavailable as exc:  # one line that says what to do, not a traceback
+        print(f"baton: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,16 +9,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# The built-in tiny model is built on first use into this folder (deterministic, see
-# shared/models/tiny/builder.py); BATON_MODEL points at any local Hugging Face directory.
+# The built-in tiny model with random weights (BATON_MODEL=tiny-random), built on first use.
+TINY_RANDOM_DIR = REPO_ROOT / "models" / "tiny"
 
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny"
+
+def default_cache_dir() -> Path:
+    """``$BATON_CACHE_DIR``, else ``$XDG_CACHE_HOME/baton``, else ``~/.cache/baton``; a
+    per-user temp directory where that is not writable (a read-only home in a container).
+    Compiled kernels, the default model and GGUF files' tokenizer and config live here."""
+    env = os.environ.get("BATON_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"baton-cache-{os.getuid()}"
 
 
 @dataclass(frozen=True)
@@ -41,9 +57,21 @@ class BatonConfig:
     # dead-lettered to baton.dead.
     max_delivery_failures: int = 4
     # --- model --------------------------------------------------------------------------------
-    model: str = ""  # "" = the built-in tiny model (built on first use)
+    # "" = the default model (SmolLM2-135M-Instruct, fetched once); a name, a Hugging Face
+    # directory or a .gguf file: shared/models/catalog.py.
+    model: str = ""
+    # The model id the HTTP gateway serves and answers to ("" = BATON_MODEL's name, or the
+    # default model's), as vLLM's --served-model-name.
+    served_model_name: str = ""
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": the checkpoint's dtype where the device computes it natively (never bf16 on a CPU
+    # without bf16 instructions, never fp16 on a CPU), else float32, the exact mode; a GGUF file
+    # computes in float32. Or float32 | bfloat16 | float16 (shared/runtime/loader.py).
+    dtype: str = "auto"
+    # A GGUF file's Q8_0 / Q4_0 / Q4_1 weights on a CPU: "auto" and "packed" keep them packed
+    # and run C kernels on them (~1/6 of fp32's bytes for Q4_1); "dequantized" expands them to
+    # the dtype at load (exact: the model transformers loads from the same file).
+    weight_format: str = "auto"
     # torch intra-op threads of each engine service; 0 = auto: the shared budget below (cpu_share),
     # else half the cores each. A count given here is fixed (the engine leaves the budget). Measured
     # on 2 cores before the budget: one fixed thread each gave ~20% more end-to-end throughput than
@@ -264,10 +292,6 @@ class BatonConfig:
     # The gateway refuses to bind a non-loopback host without api_key unless this is set (for a
     # gateway behind a proxy that authenticates).
     gateway_allow_no_auth: bool = False
-
-    @property
-    def model_dir(self) -> Path:
-        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> BatonConfig:

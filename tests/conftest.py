@@ -17,6 +17,11 @@ import os
 
 import pytest
 
+# The suite serves the built-in tiny model (random weights, fast) unless a test names another;
+# the services it starts inherit this. The real default model has its own tests
+# (tests/models/test_real_model.py).
+os.environ.setdefault("BATON_MODEL", "tiny-random")
+
 from shared.config import BatonConfig
 from shared.native import mkl_dispatch
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import pytest
 
-from shared.config import DEFAULT_MODEL_DIR, BatonConfig
+from shared.config import BatonConfig
 
 
 def test_defaults_from_an_empty_env() -> None:
     config = BatonConfig.from_env({})
     assert config == BatonConfig()
-    assert config.model == "" and config.model_dir == DEFAULT_MODEL_DIR
+    assert config.model == "" and config.dtype == "auto" and config.weight_format == "auto"
 
 
 def test_unrelated_env_is_ignored() -> None:
@@ -105,10 +104,6 @@ def test_frozen() -> None:
     changed = config.replace(block_size=1)
     assert changed.block_size == 1 and config.block_size == 16
     assert hash(config) == hash(BatonConfig())  # frozen dataclasses hash by value
-
-
-def test_model_dir() -> None:
-    assert BatonConfig(model="/somewhere/m").model_dir == Path("/somewhere/m")
 
 
 def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from services.gateway.errors import ApiError, invalid
 from shared.config import BatonConfig
 from shared.limits import Limits
+from shared.models.catalog import DEFAULT_MODEL
 from shared.wire.errors import ProtocolError
 from shared.wire.priority import check_priority
 from shared.wire.sampling import DEFAULT_MAX_TOKENS
@@ -46,8 +47,11 @@ class BatonRequest:
 
 
 def served_model_id(config: BatonConfig) -> str:
-    """The one model id this gateway serves: BATON_MODEL's directory name, or baton-tiny."""
-    return config.model.rstrip("/").rsplit("/", 1)[-1] if config.model else "baton-tiny"
+    """The one model id this gateway serves: ``BATON_SERVED_MODEL_NAME`` if set, else
+    BATON_MODEL's name (a path's last part), else the default model's name."""
+    if config.served_model_name:
+        return config.served_model_name
+    return config.model.rstrip("/").rsplit("/", 1)[-1] if config.model else DEFAULT_MODEL
 
 
 def parse_completion(body: Any, config: BatonConfig) -> BatonRequest:

@@ -10,21 +10,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
-from shared.config import DEFAULT_MODEL_DIR, BatonConfig
+from shared.config import BatonConfig
+from shared.models.catalog import resolve_model
 
 log = structlog.get_logger(__name__)
 
 
 def resolve_model_dir(config: BatonConfig) -> Path:
-    """``BATON_MODEL`` if set, else the built-in tiny model (built on first use, atomically)."""
-    if config.model:
-        path = Path(config.model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"BATON_MODEL={config.model!r} is not a local HF model dir")
-        return path
-    from shared.models.tiny.builder import ensure_tiny_model
-
-    return ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
+    """The model directory ``BATON_MODEL`` names (shared/models/catalog.py): the default model
+    fetched, a GGUF file's config and tokenizer written, or the tiny model built, on first use."""
+    return resolve_model(config.model)
 
 
 class Service(Protocol):

@@ -81,23 +81,30 @@ async def run_one(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 # --- demo -----------------------------------------------------------------------------------
 
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
 DEMO_REQUESTS: list[tuple[str, dict[str, Any]]] = [
-    ("story", dict(prompt="Once upon a time, in a quiet harbour town,", max_tokens=48)),
-    ("chat", dict(
+    ("capital", dict(messages=_chat("What is the capital of France?"), max_tokens=32)),
+    ("colors", dict(messages=_chat("Name three primary colors."), max_tokens=40)),
+    ("broker", dict(
         messages=[
             {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What does a message broker do?"},
+            {"role": "user", "content": "In one sentence, what does a message broker do?"},
         ],
-        max_tokens=40, temperature=0.7, seed=1,
+        max_tokens=60, temperature=0.7, seed=1,
     )),
-    ("urgent", dict(prompt="Breaking news:", max_tokens=24, priority=9)),
-    ("sampled", dict(
-        prompt="The quick brown fox", max_tokens=40, temperature=0.9, top_p=0.9, seed=7,
+    ("urgent", dict(
+        messages=_chat("Give me one tip for staying focused."), max_tokens=48, priority=9,
     )),
-    ("haiku", dict(
-        messages=[{"role": "user", "content": "Write a haiku about queues."}], max_tokens=32,
+    ("haiku", dict(messages=_chat("Write a haiku about the sea."), max_tokens=40)),
+    ("story", dict(
+        prompt="Once upon a time, in a quiet harbour town,", max_tokens=48, temperature=0.8,
+        top_p=0.9, seed=7,
     )),
-    ("code", dict(prompt="def fibonacci(n):", max_tokens=40, stop=["\n\n"])),
+    ("code", dict(prompt="def fibonacci(n):", max_tokens=48, stop=["\n\n"])),
 ]  # fmt: skip
 
 

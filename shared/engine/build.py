@@ -41,6 +41,7 @@ def _connector_and_runner(
         model_dir,
         allocate_kv_cache=connector.allocate_kv_cache,
         kv_host_cache_bytes=kv_host_cache_bytes,
+        role=role,
     )
     return connector, runner
 

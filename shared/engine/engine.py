@@ -92,7 +92,7 @@ class EngineCore(ABC):
             kind=self.kind,
             vocab_size=mc.vocab_size,
             max_model_len=self.limits.max_model_len,
-            weight_bytes=sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            weight_bytes=runner.model.weight_bytes(),
             kv_bytes_per_token=runner.block_bytes // runner.block_size,
             release_route=connector.release_route,
             spill_store=self._store is not None,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import structlog
 
+from shared.config import default_cache_dir
+
 log = structlog.get_logger(__name__)
 
 # The C sources live beside the model execution that loads most of them (shared/runtime).
@@ -78,22 +80,6 @@ def split_parts(units: int, min_units: int, threads: int) -> int:
     per thread (``threads``: the caller's ``torch.get_num_threads()``, capped where it caps it),
     none of fewer than ``min_units``, at least one. The rule of every C kernel's split."""
     return max(1, min(threads, units // min_units))
-
-
-def default_cache_dir() -> Path:
-    """``$BATON_CACHE_DIR``, else ``$XDG_CACHE_HOME/baton``, else ``~/.cache/baton``; a
-    per-user temp directory where that is not writable (a read-only home in a container)."""
-    env = os.environ.get("BATON_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"baton-cache-{os.getuid()}"
 
 
 def cpu_signature() -> str:

@@ -60,6 +60,12 @@ def available() -> bool:
     return torch.backends.mkl.is_available() and _mkl() is not None
 
 
+def packed_bytes(out_features: int, in_features: int) -> int:
+    """Bytes MKL's packed form of an ``[out, in]`` fp32 weight takes (0 without MKL)."""
+    mkl = _mkl()
+    return int(mkl.get_size(B_MATRIX, 1, out_features, in_features)) if mkl else 0
+
+
 class PackedWeight:
     """A ``[out, in]`` fp32 weight in MKL's packed panel layout; :meth:`linear` is
     ``F.linear(x, weight, bias)`` for 2-D ``x``; :class:`Projection` takes it from ``min_rows``
@@ -79,6 +85,7 @@ class PackedWeight:
         size = mkl.get_size(B_MATRIX, 1, n, k)  # bytes; the same whatever the row count
         # Allocated by torch, so it lives exactly as long as this object.
         self._buffer = torch.empty(size, dtype=torch.uint8)
+        self.nbytes = int(size)
         # C[m, n] = A[m, k] @ W.T: W is stored [n, k], so B = W transposed.
         mkl.pack(ROW_MAJOR, B_MATRIX, TRANS, 1, n, k, 1.0, w.data_ptr(), k,
                  self._buffer.data_ptr())  # fmt: skip

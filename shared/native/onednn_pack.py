@@ -63,6 +63,8 @@ class OneDnnWeight:
         self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self.min_rows, self.max_rows = ROWS[weight.dtype]
+        # oneDNN's blocked layout holds the same elements (its tensor is opaque: no storage size).
+        self.nbytes = weight.numel() * weight.element_size()
         self._weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().contiguous(), BATCH_HINT
         )

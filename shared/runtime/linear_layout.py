@@ -33,6 +33,15 @@ choice left half the projections plain and was 2-11% slower than packing all at 
 and a choice that depends on a start-up measurement makes runs differ for nothing.
 Results equal ``F.linear``'s up to the last bits in every form; the parity tests check greedy
 output against Hugging Face with them.
+
+**One copy per engine.** Holding both forms doubled each engine's weight memory (with the
+buffers freed at load, three copies: prefill 12.1 GB and decode 11.7 GB RSS on a 4.0 GB fp32
+checkpoint). So the engine's role picks the forms: prefill's forwards have hundreds of rows, where
+the forms are equal, so it keeps the transposed weight only; decode keeps the packed form alone,
+for every row count. The price, from the tables here: MKL's GEMV lead at one or two rows, and
+oneDNN's fp32 form outside 4-48 rows (~10% slower than the transposed weight at 64 rows on one
+thread, 2026-12-05). A weight MKL would pack into several times its bytes (its buffer is at
+least ~5.8 MB) stays transposed. Without a role (tools, tests) both forms stay.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import torch
 from torch import nn
 
 from shared.native import mkl_pack, onednn_pack
+from shared.runtime.cpu_quant_linear import QuantWeight
 from shared.runtime.model import Projection
 
 
@@ -49,23 +59,64 @@ def transposed_copy(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous().t()
 
 
+ROLES = (None, "prefill", "decode")
+# MKL's packed buffer is at least ~5.8 MB: a smaller weight (a 135M model's 576 x 576) would
+# take several times its bytes. Packed only where it costs at most this much more.
+MAX_PACKED_GROWTH = 1.25
+
+
+def exact_prefill(weight: QuantWeight, head: bool) -> None:
+    """A GGUF weight in the prefill engine computes exactly (up to fp32 summation order), not
+    with int8 activations: a prompt's forward has hundreds of rows, where dequantizing the
+    weight once and running SGEMM costs what the int8 kernel does (cpu_quant_linear.py), and
+    the first token then agrees with the dequantized model wherever it is not a near-tie. The
+    head serves one row per sequence: the fp32 kernel (dequantized in registers), not a 113 MB
+    fp32 copy of a 135M model's vocabulary per wave."""
+    if head:
+        weight.small_mode, weight.small_max_rows = "f32", 1 << 62
+    else:
+        weight.small_max_rows = 0
+
+
+def _packs_small(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return mkl_pack.packed_bytes(n, k) <= MAX_PACKED_GROWTH * weight.numel() * weight.element_size()
+
+
 @torch.inference_mode()
-def prepare_projections(model: nn.Module) -> int:
+def prepare_projections(model: nn.Module, role: str | None = None) -> int:
     """Transpose every :class:`Projection`'s weight and, where oneDNN or MKL can, pack it too;
-    returns the number packed. A head tied to the embedding stays as it is (the embedding's row
-    gather wants ``[vocab, hidden]``, contiguous); it is still packed."""
+    returns the number packed. ``role``: which forms an engine keeps (the module's docstring).
+    A head tied to the embedding stays as it is (the embedding's row gather wants
+    ``[vocab, hidden]``, contiguous); it is still packed."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: one of {ROLES}")
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
     packed = 0
     for module in model.modules():
-        if not isinstance(module, Projection):
+        if isinstance(module, Projection) and isinstance(module.packed, QuantWeight):
+            if role == "prefill":
+                exact_prefill(module.packed, head=module is head)
+            continue
+        if not isinstance(module, Projection) or module.weight.is_meta:
             continue
         weight = module.weight.detach()
-        if onednn_pack.available(weight.dtype):
-            module.packed = onednn_pack.OneDnnWeight(weight)
+        form: mkl_pack.PackedWeight | onednn_pack.OneDnnWeight | None = None
+        if role == "prefill":
+            pass
+        elif onednn_pack.available(weight.dtype):
+            form = onednn_pack.OneDnnWeight(weight)
+        elif weight.dtype == torch.float32 and mkl_pack.available() and _packs_small(weight):
+            form = mkl_pack.PackedWeight(weight)
+        if form is not None:
+            module.packed = form
             packed += 1
-        elif weight.dtype == torch.float32 and mkl_pack.available():
-            module.packed = mkl_pack.PackedWeight(weight)
-            packed += 1
-        if id(module.weight) not in tied:
+        if id(module.weight) in tied:
+            continue
+        if role == "decode" and form is not None:
+            form.min_rows, form.max_rows = 1, 1 << 62  # it serves every row count alone
+            module.weight = nn.Parameter(weight.new_empty(weight.shape, device="meta"))
+        else:
             module.weight = nn.Parameter(transposed_copy(weight), requires_grad=False)
     return packed

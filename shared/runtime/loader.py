@@ -1,7 +1,10 @@
-"""Load a Hugging Face checkpoint (safetensors) straight into the native :class:`CausalLM`.
+"""Load a checkpoint straight into the native :class:`CausalLM`: a Hugging Face directory
+(safetensors) or a GGUF file (through the directory shared/models/gguf_model.py writes for it).
 
 Weights are renamed and fused on the way in (q/k/v -> qkv_proj, gate/up -> gate_up_proj); the
-transformers model class is never instantiated.
+transformers model class is never instantiated. A GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay
+packed where the weight format says so (:class:`QuantWeight`; the projection runs them through
+its C kernel, the embedding gathers rows from them), each held once.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from shared.runtime.model import CausalLM
+from shared.models.gguf_model import gguf_path_of
+from shared.runtime.cpu_quant_linear import QuantWeight
+from shared.runtime.gguf_weights import Weight, cat_rows, read_gguf
+from shared.runtime.model import CausalLM, Projection
 from shared.runtime.model_config import ModelConfig
 
 log = structlog.get_logger(__name__)
@@ -27,6 +33,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+WEIGHT_FORMATS = ("auto", "packed", "dequantized")
 # Checkpoint entries that carry nothing the native model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -36,6 +43,40 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; one of {sorted(DTYPES)}") from None
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX on x86, BF16 on Arm): without
+    it every bf16 op is emulated and a bf16 model runs several times slower than fp32."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set(text.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dtype:
+    """``BATON_DTYPE``: a dtype by name, or ``auto``: the checkpoint's dtype where the device
+    computes it natively, else fp32 (the exact mode). On a CPU: bf16 only with bf16
+    instructions, never fp16; a GGUF file computes in fp32 (its packed weights are dequantized
+    in registers either way)."""
+    if name.lower() != "auto":
+        dtype = parse_dtype(name)
+        if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_computes_bf16():
+            log.warning("bf16 on a CPU without bf16 instructions is emulated: expect it slow; "
+                        "BATON_DTYPE=auto picks fp32 here")  # fmt: skip
+        return dtype
+    if gguf_path_of(model_dir) is not None:
+        return torch.float32
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    declared = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+    dtype = DTYPES.get(declared.lower(), torch.float32)
+    if device.type == "cpu" and (
+        dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_computes_bf16())
+    ):
+        return torch.float32
+    return dtype
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -66,13 +107,15 @@ def read_checkpoint(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
 
 
 def to_native_state_dict(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Rename to the native module's names and fuse the projections that share an input."""
-    w = dict(weights)
-    out: dict[str, torch.Tensor] = {}
+    cfg: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype | None = None
+) -> dict[str, Weight]:
+    """Rename to the native module's names and fuse the projections that share an input
+    (``weights`` is emptied as it goes, so no tensor is held twice)."""
+    w = weights
+    out: dict[str, Weight] = {}
+    fuse_dtype = dtype or torch.float32
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> Weight:
         try:
             return w.pop(name)
         except KeyError:
@@ -89,8 +132,8 @@ def to_native_state_dict(
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for kind in params:
-            out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [take(p + f"self_attn.{x}_proj.{kind}") for x in ("q", "k", "v")]
+            out[p + f"self_attn.qkv_proj.{kind}"] = cat_rows(
+                [take(p + f"self_attn.{x}_proj.{kind}") for x in ("q", "k", "v")], fuse_dtype
             )
         out[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
         if cfg.o_bias:
@@ -99,8 +142,8 @@ def to_native_state_dict(
             out[p + "self_attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
             out[p + "self_attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
         for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
-            out[p + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-                [take(p + f"mlp.gate_proj.{kind}"), take(p + f"mlp.up_proj.{kind}")]
+            out[p + f"mlp.gate_up_proj.{kind}"] = cat_rows(
+                [take(p + f"mlp.gate_proj.{kind}"), take(p + f"mlp.up_proj.{kind}")], fuse_dtype
             )
             out[p + f"mlp.down_proj.{kind}"] = take(p + f"mlp.down_proj.{kind}")
         out[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
@@ -110,18 +153,50 @@ def to_native_state_dict(
     return out
 
 
+def packs_weights(weight_format: str, device: torch.device) -> bool:
+    """Whether quantized weights stay packed: ``auto`` and ``packed`` on a CPU (the kernels
+    are C), ``dequantized`` never."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r}: one of {WEIGHT_FORMATS}")
+    if weight_format == "packed" and device.type != "cpu":
+        raise ValueError("BATON_WEIGHT_FORMAT=packed runs on a CPU only; use dequantized")
+    return weight_format != "dequantized" and device.type == "cpu"
+
+
 def load_model(
-    model_dir: Path, device: torch.device, dtype: torch.dtype
+    model_dir: Path, device: torch.device, dtype: torch.dtype, weight_format: str = "auto"
 ) -> tuple[ModelConfig, CausalLM]:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    packed = packs_weights(weight_format, device)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    state = to_native_state_dict(cfg, read_checkpoint(model_dir, dtype))
-    state = {name: t.to(device) for name, t in state.items()}
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    gguf = gguf_path_of(model_dir)
+    weights: dict[str, Weight] = (
+        read_gguf(gguf, cfg, dtype, packed)
+        if gguf is not None
+        else dict(read_checkpoint(model_dir, dtype))
+    )
+    state = to_native_state_dict(cfg, weights, dtype)
+    quants: dict[str, QuantWeight] = {}
+    for name in [n for n, t in state.items() if isinstance(t, QuantWeight)]:
+        quant = state.pop(name)
+        assert isinstance(quant, QuantWeight)
+        quants[name] = quant
+    tensors = {n: t.to(device) for n, t in state.items() if isinstance(t, torch.Tensor)}
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    missing, _ = model.load_state_dict(tensors, strict=False, assign=True)
+    if set(missing) != set(quants):
+        raise KeyError(f"checkpoint lacks {sorted(set(missing) - set(quants))[:4]}")
+    for name, quant in quants.items():
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Projection):
+            module.packed = quant  # its weight stays on the meta device: never read
+        else:
+            model.embed_packed = quant  # the embedding, and a head tied to it
+            if cfg.tie_word_embeddings:
+                model.lm_head.packed = quant
     # RoPE frequencies stay fp32 whatever the weights' dtype (as in transformers).
     model.inv_freq = cfg.inv_freq().to(device)
     model.eval().requires_grad_(False)
@@ -131,6 +206,8 @@ def load_model(
         arch=cfg.arch,
         layers=cfg.num_layers,
         params=sum(p.numel() for p in model.parameters()),
+        weight_bytes=model.weight_bytes(),
+        packed=len(quants),
         dtype=str(dtype),
         device=str(device),
     )

@@ -22,6 +22,7 @@ from shared.native.mkl_pack import PackedWeight
 from shared.native.onednn_pack import OneDnnWeight
 from shared.runtime.attention import AttentionMetadata, attention
 from shared.runtime.cpu_bf16_ops import Bf16Kernels
+from shared.runtime.cpu_quant_linear import QuantWeight
 from shared.runtime.cpu_rope import RopeKernel
 from shared.runtime.model_config import ModelConfig
 
@@ -65,9 +66,10 @@ PACKED_MIN_ROWS = PackedWeight.min_rows
 class Projection(nn.Linear):
     """``nn.Linear`` whose weight may also be held packed, for MKL or oneDNN (linear_layout.py):
     :meth:`project` takes the packed form for the row counts it serves, ``F.linear`` for the
-    rest; the same products either way, up to the last bits."""
+    rest; the same products either way, up to the last bits. A GGUF weight kept quantized
+    (:class:`QuantWeight`) serves every row count, and ``weight`` is then never read."""
 
-    packed: PackedWeight | OneDnnWeight | None = None
+    packed: PackedWeight | OneDnnWeight | QuantWeight | None = None
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
@@ -187,6 +189,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     inv_freq: torch.Tensor  # fp32 RoPE frequencies (a non-persistent buffer)
+    # A quantized embedding (GGUF): rows are gathered and dequantized from it, and
+    # ``embed_tokens.weight`` stays on the meta device.
+    embed_packed: QuantWeight | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -208,12 +213,32 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of every new token; writes their KV into ``kv_cache``."""
-        weight = self.embed_tokens.weight
-        cos, sin = rope_tables(positions, self.inv_freq, weight.dtype)
-        hidden = F.embedding(input_ids, weight)
+        dtype = self.norm.weight.dtype
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
+        if self.embed_packed is not None:
+            hidden = self.embed_packed.rows(input_ids).to(dtype)
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens.weight)
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             hidden = layer.forward(hidden, cos, sin, kv_layer, meta)
         return hidden
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held, once each: packed forms as packed, tied tensors once."""
+        seen: set[int] = set()  # storages (a tied head is its own Parameter on the same one)
+        total = 0
+        for p in self.parameters():
+            if not p.is_meta and p.untyped_storage().data_ptr() not in seen:
+                seen.add(p.untyped_storage().data_ptr())
+                total += p.untyped_storage().nbytes()
+        for m in self.modules():
+            packed = m.packed if isinstance(m, Projection) else None
+            if packed is not None and id(packed) not in seen:
+                seen.add(id(packed))
+                total += packed.nbytes
+        if self.embed_packed is not None and id(self.embed_packed) not in seen:
+            total += self.embed_packed.nbytes
+        return total
 
     def use_rope_kernel(self, kernel: RopeKernel | None) -> None:
         """Every attention layer's RoPE through ``kernel`` where it takes the inputs."""

@@ -64,6 +64,7 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         arch = _arch(raw)
+        _refuse_quantized(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
@@ -138,6 +139,21 @@ def _arch(raw: dict[str, Any]) -> str:
     raise ValueError(
         f"unsupported model: architectures={raw.get('architectures')} model_type={model_type!r}; "
         f"supported: {sorted(ARCHITECTURES)}"
+    )
+
+
+def _refuse_quantized(raw: dict[str, Any]) -> None:
+    """A checkpoint quantized by a method the loader does not run (fp8, gptq, awq,
+    bitsandbytes, compressed-tensors, ...) is refused: loaded as plain weights, its values
+    would be cast without their scales — a model that answers, wrongly. GGUF files are served
+    (shared/models/gguf_model.py writes no quantization_config for them)."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    raise ValueError(
+        f"checkpoint is quantized with {method!r} (config.json quantization_config), which "
+        f"Baton does not run: serve the unquantized checkpoint, or a GGUF file (Q8_0, Q4_0, Q4_1)"
     )
 
 

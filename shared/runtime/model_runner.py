@@ -8,6 +8,7 @@ appending tokens and publishing prefix blocks is the caller's (scheduler's) job.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 from collections.abc import Callable, Iterable
@@ -19,6 +20,7 @@ import torch
 
 from shared.config import BatonConfig
 from shared.limits import Limits
+from shared.models.catalog import resolve_model
 from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
 from shared.runtime.cpu_argmax import load_argmax
@@ -28,7 +30,7 @@ from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
 from shared.runtime.linear_layout import prepare_projections
-from shared.runtime.loader import load_model, parse_dtype
+from shared.runtime.loader import load_model, resolve_dtype
 from shared.runtime.model_config import ModelConfig
 from shared.runtime.sampler import Sampler
 from shared.runtime.sequence import Sequence
@@ -50,15 +52,18 @@ class ModelRunner:
         model_dir: Path | None = None,
         allocate_kv_cache: KVCacheAllocator | None = None,
         kv_host_cache_bytes: int = 0,
+        role: str | None = None,
     ):
         """``allocate_kv_cache``: where the cache lives when a KV connector must own its memory
         (a pooled transport exports it to the receiver); it returns None to leave it to us.
-        ``kv_host_cache_bytes``: a host tier of that size beside the device pool (kv_tiers.py)."""
+        ``kv_host_cache_bytes``: a host tier of that size beside the device pool (kv_tiers.py).
+        ``role`` (prefill, decode): which forms of the weights this engine keeps
+        (linear_layout.py); None keeps every form."""
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
-        model_dir = Path(model_dir or config.model_dir)
+        model_dir = Path(model_dir) if model_dir else resolve_model(config.model)
+        self.dtype = resolve_dtype(config.dtype, model_dir, self.device)
         # Everything that can refuse this model is checked before its weights are read.
         cfg = ModelConfig.from_dir(model_dir)
         self.kv_codec = make_kv_codec(config.kv_cache_dtype)
@@ -107,7 +112,9 @@ class ModelRunner:
                 max_seq_tokens=self.max_seq_tokens,
             )
         self.model_config: ModelConfig
-        self.model_config, self.model = load_model(model_dir, self.device, self.dtype)
+        self.model_config, self.model = load_model(
+            model_dir, self.device, self.dtype, config.weight_format
+        )
         kv_shape = (
             cfg.num_layers,
             2,
@@ -121,8 +128,10 @@ class ModelRunner:
         c_kernels = self.device.type == "cpu" and config.cpu_attention == "auto"
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
-            num_packed = prepare_projections(self.model)
-            log.info("projections transposed", packed=num_packed)
+            num_packed = prepare_projections(self.model, role)
+            release_freed_memory()  # the buffers loading went through
+            log.info("projections transposed", packed=num_packed,
+                     weight_bytes=self.model.weight_bytes())  # fmt: skip
             if c_kernels and self.dtype == torch.float32:
                 self.model.use_rope_kernel(load_rope())
             elif c_kernels and self.dtype == torch.bfloat16:
@@ -347,6 +356,16 @@ class LayerProgress:
         self.layers += 1
         self.on_layer(self.layers)
         return out
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed while loading back to the OS: the services raise glibc's mmap
+    threshold (services/__main__.py), so loading's large temporaries came from the heap, and a
+    freed heap chunk below the top stays resident until ``malloc_trim`` returns its pages."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

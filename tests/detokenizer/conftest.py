@@ -20,12 +20,12 @@ def decode() -> Decode:
     # this folder.
     from services.detokenizer.service import make_decoder
 
-    return make_decoder(resolve_model_dir(BatonConfig()))  # type: ignore[no-any-return]
+    return make_decoder(resolve_model_dir(BatonConfig.from_env()))  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
 def encode() -> Callable[[str], list[int]]:
-    tok = Tokenizer.from_file(str(resolve_model_dir(BatonConfig()) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(resolve_model_dir(BatonConfig.from_env()) / "tokenizer.json"))
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 

@@ -41,7 +41,7 @@ TEXT = "Once upon a time, a river town — 你好 — woke slowly, and every boa
 
 @pytest.fixture(scope="module")
 def ids() -> list[int]:
-    tok = Tokenizer.from_file(str(resolve_model_dir(BatonConfig()) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(resolve_model_dir(BatonConfig.from_env()) / "tokenizer.json"))
     out: list[int] = tok.encode(TEXT, add_special_tokens=False).ids[:NUM_TOKENS]
     assert len(out) == NUM_TOKENS
     return out

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from services.launcher import free_port_block
 from services.shell.registry import METRICS_ENDPOINTS
-from shared.config import DEFAULT_MODEL_DIR
+from shared.config import TINY_RANDOM_DIR
 from shared.models.tiny.builder import ensure_tiny_model
 from shared.wire.messages import RequestMsg, SamplingParams
 from tests.fault.harness import ReplyLog, poll_metric, scrape, service_processes
@@ -37,7 +37,7 @@ def prompts() -> list[list[int]]:
 
 
 async def test_swapped_out_sequences_resume_on_either_worker_with_no_recompute() -> None:
-    model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR, preset="tiny", arch="llama")
+    model_dir = ensure_tiny_model(TINY_RANDOM_DIR, preset="tiny", arch="llama")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     with torch_threads(1):
         expected = [hf_greedy(hf, p, greedy(MAX_TOKENS, ignore_eos=True)) for p in prompts()]

@@ -36,7 +36,8 @@ def _openai(url: str, key: str = "unused") -> openai.AsyncOpenAI:
 async def test_fields_reach_baton_mapped(baton: FakeBaton, offline_url: str) -> None:
     client = _openai(offline_url)
     out = await client.chat.completions.create(
-        model="baton-tiny", messages=CHAT, max_completion_tokens=7, temperature=0.5, stop="\n",
+        model="smollm2-135m-instruct", messages=CHAT, max_completion_tokens=7, temperature=0.5,
+        stop="\n",
         seed=3, extra_body={"top_k": 5, "priority": 2, "ignore_eos": True, "timeout_s": 9},
     )  # fmt: skip
     assert out.choices[0].message.content == "Hello" and out.choices[0].finish_reason == "length"
@@ -55,7 +56,7 @@ async def test_fields_reach_baton_mapped(baton: FakeBaton, offline_url: str) -> 
 
 async def test_streamed_completion_with_usage(baton: FakeBaton, offline_url: str) -> None:
     stream = await _openai(offline_url).completions.create(
-        model="baton-tiny", prompt=[1, 2, 3], max_tokens=2, stream=True,
+        model="smollm2-135m-instruct", prompt=[1, 2, 3], max_tokens=2, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = [c async for c in stream]
@@ -68,7 +69,7 @@ async def test_streamed_completion_with_usage(baton: FakeBaton, offline_url: str
 async def test_streamed_chat_opens_with_the_role(baton: FakeBaton, offline_url: str) -> None:
     baton.script = tokens_then_done("a", "b", "c", finish_reason="stop")
     stream = await _openai(offline_url).chat.completions.create(
-        model="baton-tiny", messages=CHAT, stream=True
+        model="smollm2-135m-instruct", messages=CHAT, stream=True
     )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -121,7 +122,7 @@ async def test_error_after_the_first_token_travels_in_the_stream(
         *error("internal")(rid, kw),
     ]
     stream = await _openai(offline_url).completions.create(
-        model="baton-tiny", prompt="x", stream=True
+        model="smollm2-135m-instruct", prompt="x", stream=True
     )
     with pytest.raises(openai.APIError, match="refused"):
         async for _ in stream:
@@ -175,7 +176,7 @@ async def test_bearer_auth(baton: FakeBaton, offline_keyed: str) -> None:
         assert (await http.get("/health")).status_code == 200  # probes carry no key
         assert (await http.get("/metrics")).status_code == 200
     models = await _openai(offline_keyed, API_KEY).models.list()
-    assert [m.id for m in models.data] == ["baton-tiny"]
+    assert [m.id for m in models.data] == ["smollm2-135m-instruct"]
     assert len(baton.calls) == 0
 
 

@@ -21,7 +21,7 @@ from tests.gateway.conftest import API_KEY, Live
 
 pytestmark = pytest.mark.integration
 
-MODEL = "baton-tiny"
+MODEL = "tiny-random"  # BATON_MODEL of the suite (tests/conftest.py)
 PROMPT_IDS = [11, 12, 13, 14, 15]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}

@@ -23,8 +23,8 @@ LIMITS = Limits.build(CONFIG, max_position_embeddings=4096)
 
 def test_completion_fields_map_onto_a_baton_request() -> None:
     req = parse_completion(
-        {"model": "baton-tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.9,
-         "stop": "\n", "seed": 7, "top_k": -1, "priority": 3, "ignore_eos": True,
+        {"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 5, "temperature": 0,
+         "top_p": 0.9, "stop": "\n", "seed": 7, "top_k": -1, "priority": 3, "ignore_eos": True,
          "timeout_s": 2, "user": "ignored", "n": 1, "best_of": 1, "logprobs": None},
         CONFIG,
     )  # fmt: skip
@@ -137,8 +137,11 @@ def test_chat_refuses_logprobs_and_tools() -> None:
 
 
 def test_model_must_be_the_served_one() -> None:
-    assert served_model_id(CONFIG) == "baton-tiny"
+    assert served_model_id(CONFIG) == "smollm2-135m-instruct"
     assert served_model_id(BatonConfig(model="/models/Qwen3-0.6B/")) == "Qwen3-0.6B"
+    named = BatonConfig(model="/models/Qwen3-0.6B/", served_model_name="qwen")
+    assert served_model_id(named) == "qwen"
+    assert parse_completion({"model": "qwen", "prompt": "x"}, named).baton["prompt"] == "x"
     with pytest.raises(ApiError) as info:
         parse_completion({"model": "gpt-4", "prompt": "x"}, CONFIG)
     assert (info.value.status, info.value.code) == (404, "model_not_found")

@@ -44,7 +44,7 @@ async def test_stream_adds_up_to_done(client: BatonClient) -> None:
 
 
 def _hf_greedy(prompt_ids: list[int], max_new: int) -> list[int]:
-    model_dir = resolve_model_dir(BatonConfig())
+    model_dir = resolve_model_dir(BatonConfig.from_env())
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     out = model.generate(
         torch.tensor([prompt_ids]),
@@ -62,7 +62,7 @@ def _hf_greedy(prompt_ids: list[int], max_new: int) -> list[int]:
 
 
 async def test_greedy_equals_hf_end_to_end(client: BatonClient) -> None:
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(BatonConfig())))
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(BatonConfig.from_env())))
     for prompt in ["Once upon a time", "héllo wörld — 你好 🙂 and more text " * 6]:
         ids = tok.encode(prompt)
         reply = await client.generate(prompt_token_ids=ids, max_tokens=40)

@@ -79,6 +79,9 @@ PRESETS: dict[str, Preset] = {
     # A real size: Qwen2-0.5B's layer shapes (24 layers, d=896, ffn 4864, 14 query / 2 KV heads
     # of 64) with a 4k vocabulary, ~360M matmul params. Build with arch="qwen2" for its layout.
     "qwen2-0.5b": Preset(896, 24, 14, 2, 64, 4864, 4096, rope_theta=1000000.0),
+    # Past a billion parameters (1.05B; Llama-3.2-1B's layer shapes, one layer more): what an
+    # engine's memory is measured on (loadtest/engine_memory.py). 4.2 GB in fp32.
+    "llama-1b": Preset(2048, 17, 32, 8, 64, 8192, 4096, rope_theta=500000.0),
 }
 
 # Init scales (std = gain / sqrt(fan_in) for projections), tuned by measuring greedy output.
@@ -367,9 +370,9 @@ def model_dir_name(preset: str, arch: str, window: int | None = None) -> str:
 
 
 def _default_out(preset: str, arch: str, window: int | None = None) -> Path:
-    from shared.config import DEFAULT_MODEL_DIR
+    from shared.config import TINY_RANDOM_DIR
 
-    return DEFAULT_MODEL_DIR.parent / model_dir_name(preset, arch, window)
+    return TINY_RANDOM_DIR.parent / model_dir_name(preset, arch, window)
 
 
 def main(argv: list[str] | None = None) -> None:

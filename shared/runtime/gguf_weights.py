@@ -1,0 +1,111 @@
+"""A GGUF file's tensors under the Hugging Face checkpoint's names, for the loader.
+
+Tensor types: F32, F16 and BF16 are read as tensors of the model's dtype. Q8_0, Q4_0 and Q4_1
+are kept packed in GGML's block bytes (:class:`QuantWeight`, run by the C kernels of
+cpu_quant_linear.py) when ``packed``, else dequantized to the model's dtype (exact: the values
+gguf-py and transformers compute). Any other type (the K-quants, IQ-quants, ...) is refused at
+load with its name and the tensor's.
+
+llama.cpp's converter permutes the rows of a Llama ``attn_q`` / ``attn_k`` weight for its
+interleaved RoPE; they are permuted back here (as transformers does), on the packed bytes too:
+a row permutation moves whole rows of blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.runtime.cpu_quant_linear import QuantWeight
+from shared.runtime.model_config import ModelConfig
+from shared.runtime.quant_formats import PACKED_TYPES
+
+# GGUF tensor name (after ``blk.N.``) -> the HF name (after ``layers.N.``).
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+
+Weight = torch.Tensor | QuantWeight
+
+
+def hf_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part not in LAYER_NAMES:
+            raise ValueError(f"GGUF tensor {name!r} is not one the model has")
+        return f"layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+    if stem not in TOP_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} is not one the model has")
+    return f"{TOP_NAMES[stem]}.{kind}"
+
+
+def read_gguf(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: bool) -> dict[str, Weight]:
+    """Every tensor of the file as ``{hf_name: tensor or QuantWeight}``, copied out of the
+    file's mapping (the mapping is closed when this returns)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    out: dict[str, Weight] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        kind = t.tensor_type.name
+        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
+        weight: Weight
+        if kind in FLOAT_TYPES:
+            data = np.asarray(t.data).view(FLOAT_TYPES[kind]).reshape(shape)
+            weight = torch.from_numpy(data.copy()).to(dtype)
+        elif kind == "BF16":
+            bits = np.asarray(t.data).view(np.int16).reshape(shape).copy()
+            weight = torch.from_numpy(bits).view(torch.bfloat16).to(dtype)
+        elif kind in PACKED_TYPES:
+            raw = torch.from_numpy(np.asarray(t.data).reshape(shape[0], -1).copy())
+            quant = QuantWeight(raw, PACKED_TYPES[kind], shape[1])
+            weight = quant if packed and len(shape) == 2 else quant.dequantize().to(dtype)
+        else:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {kind}, which Baton does not run "
+                f"(F32, F16, BF16, {', '.join(PACKED_TYPES)}): requantize the file to one of them"
+            )
+        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rows(weight, cfg.num_heads)
+        elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rows(weight, cfg.num_kv_heads)
+        out[name] = weight
+    del reader
+    return out
+
+
+def unpermute_rows(weight: Weight, num_heads: int) -> Weight:
+    """Undo llama.cpp's Q/K row order: within each head, rows (0, 2, 4, ..., 1, 3, ...) of
+    the HF order were written interleaved; this is transformers' ``reverse_permute_weights``."""
+    rows = weight.out_features if isinstance(weight, QuantWeight) else weight.shape[0]
+    half = rows // num_heads // 2
+    order = torch.arange(rows).view(num_heads, half, 2).transpose(1, 2).reshape(rows)
+    if isinstance(weight, QuantWeight):
+        return weight.select_rows(order)
+    return weight[order].contiguous()
+
+
+def cat_rows(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    """The fused projection of ``parts`` (q/k/v, gate/up): packed if all share one packed type,
+    else in the model's dtype."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        quants = [p for p in parts if isinstance(p, QuantWeight)]
+        if len({q.qtype for q in quants}) == 1:
+            return QuantWeight.cat(quants)
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantWeight) else p for p in parts])
