@@ -1,4 +1,4 @@
-# `make demo` runs the whole system on the built-in tiny model and streams real replies.
+# `make demo` serves the default model (SmolLM2-135M-Instruct, fetched once) and streams answers.
 # `make test` runs the test suite (unit, integration against the real RabbitMQ, kernels).
 # `make compose-check` builds the images and runs the real Compose stack (minutes; not in `test`).
 PYTHON ?= python3

@@ -43,26 +43,116 @@ def write_variant(src: Path, dst: Path, kind: str) -> Path:
         writer.add_key_value(name, field.contents(), value_type, sub_type=sub_type)
     for t in reader.tensors:
         shape = [int(n) for n in reversed(t.shape)]
-        weight = _as_float(t, shape)
-        if len(shape) == 1 or kind == "F32":
-            writer.add_tensor(t.name, weight.numpy())
-        elif kind == "F16":
-            writer.add_tensor(t.name, weight.to(torch.float16).numpy())
-        elif kind == "BF16":
-            raw = weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-            writer.add_tensor(
-                t.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16
-            )
-        else:
-            qtype = PACKED_TYPES[kind]
-            raw = quantize(weight, qtype).numpy()
-            writer.add_tensor(t.name, raw, raw_shape=raw.shape,
-                              raw_dtype=gguf.GGMLQuantizationType(qtype))  # fmt: skip
+        _add(writer, t.name, _as_float(t, shape), kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+
+
+def write_from_hf(hf_dir: Path, dst: Path, kind: str = "F32") -> Path:
+    """A Hugging Face directory (Llama, Mistral, Qwen2, Qwen3; a byte-level BPE tokenizer) as
+    a GGUF file the way llama.cpp's converter writes one: its metadata keys and tensor names,
+    Llama's Q/K rows interleaved for its RoPE, the tokenizer as ``gpt2`` tokens and merges with
+    the chat template. For tests: every architecture through the GGUF loader."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from shared.runtime.gguf_weights import LAYER_NAMES, TOP_NAMES
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = GGUF_ARCH[cfg["architectures"][0]]
+    if cfg.get("use_sliding_window") or (cfg.get("sliding_window") and arch != "llama"):
+        raise ValueError("GGUF has no key for Qwen2's per-layer windows")
+    heads, kv_heads = (
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+    )
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(dst), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    vocab.update(special)
+    size = cfg["vocab_size"]
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    gen = json.loads((hf_dir / "generation_config.json").read_text())
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    if cfg.get("bos_token_id") is not None:
+        w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_add_bos_token(False)
+    template = json.loads((hf_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if template:
+        w.add_chat_template(template)
+    to_gguf = {v: k for k, v in {**LAYER_NAMES, **TOP_NAMES}.items()}
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        stem, _, suffix = name.rpartition(".")
+        if stem.startswith("layers."):
+            _, layer, part = stem.split(".", 2)
+            gguf_name = f"blk.{layer}.{to_gguf[part]}.{suffix}"
+        else:
+            gguf_name = f"{to_gguf[stem]}.{suffix}"
+        if arch == "llama" and part_of(name) in ("q_proj", "k_proj"):
+            n = heads if part_of(name) == "q_proj" else kv_heads
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, *tensor.shape[1:])
+            tensor = tensor.swapaxes(1, 2).reshape(-1, *tensor.shape[3:])
+        _add(w, gguf_name, tensor.float(), kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def part_of(name: str) -> str:
+    """``q_proj`` of ``layers.0.self_attn.q_proj.weight``."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def _add(writer: object, name: str, weight: torch.Tensor, kind: str) -> None:
+    """``weight`` into the file as ``kind`` (1-D tensors as F32, as llama.cpp keeps norms)."""
+    import gguf
+
+    w: gguf.GGUFWriter = writer  # type: ignore[assignment]
+    if weight.dim() == 1 or kind == "F32":
+        w.add_tensor(name, weight.numpy())
+    elif kind == "F16":
+        w.add_tensor(name, weight.to(torch.float16).numpy())
+    elif kind == "BF16":
+        raw = weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        qtype = PACKED_TYPES[kind]
+        raw = quantize(weight, qtype).numpy()
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(qtype))
 
 
 def export_hf_dir(model_dir: Path) -> Path:

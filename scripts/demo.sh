@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: the whole system on the built-in tiny model, streaming real replies.
+# The main job: the whole system on the default model (SmolLM2-135M-Instruct, fetched once),
+# streaming its answers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

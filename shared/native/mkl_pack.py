@@ -17,7 +17,8 @@ packed kernel there): the table in shared/runtime/linear_layout.py.
 
 The functions are MKL's own, exported by torch's CPU library where torch is built with MKL (the
 x86 wheels); elsewhere :func:`available` is False and the weights stay plain. A packed weight is
-at least ~5.8 MB (MKL's minimum buffer), about 1.1x the weight for large ones. Results equal
+at least ~5.8 MB (MKL's minimum buffer), 1.15-2.2x the weight for
+most others (packed_bytes; linear_layout.py packs only where that stays small). Results equal
 ``F.linear``'s up to the last bits (a different kernel may sum in a different order).
 """
 

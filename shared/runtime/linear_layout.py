@@ -25,7 +25,7 @@ model (one thread, paged KV, weights cold as they are between steps):
 
   At one or two rows MKL's GEMV on the plain weight wins, so a projection keeps both forms and
   :meth:`Projection.project` takes the packed one from ``PACKED_MIN_ROWS`` rows (memory: the
-  packed copy is ~1.1x a large weight, at least MKL's ~5.8 MB buffer for a small one).
+  packed copy is 1.15-2.2x a weight, at least MKL's ~5.8 MB buffer for a small one).
 
 Timing each form at start-up and keeping the fastest was tried and dropped: timed in a loop
 the weight sits in cache, which hides most of what packing saves in a real step (the timed
@@ -60,8 +60,9 @@ def transposed_copy(weight: torch.Tensor) -> torch.Tensor:
 
 
 ROLES = (None, "prefill", "decode")
-# MKL's packed buffer is at least ~5.8 MB: a smaller weight (a 135M model's 576 x 576) would
-# take several times its bytes. Packed only where it costs at most this much more.
+# MKL's packed buffer is at least ~5.8 MB and padded by panel: 8.7x a 576 x 576 weight, 2.2x a
+# 2048 x 1024 one, 1.15x 16384 x 2048 (torch 2.13's MKL, Ice Lake, 2026-12-06). Packed only
+# where it costs at most this much more.
 MAX_PACKED_GROWTH = 1.25
 
 

@@ -151,10 +151,13 @@ def test_without_onednn_fp32_packs_for_mkl_and_bf16_stays_plain(
     onednn_pack.available.cache_clear()
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     try:
-        fp32, bf16 = Projection(8, 16, bias=False), Projection(8, 16, bias=False).bfloat16()
-        prepare_projections(fp32)
-        prepare_projections(bf16)
-        assert bf16.packed is None
+        # fp32 large enough that MKL's packed buffer is not much more than the weight (1.15x;
+        # 2.2x at 2048 x 1024, 8.7x at 576 x 576: those stay transposed).
+        fp32, bf16 = Projection(2048, 16384, bias=False), Projection(8, 16, bias=False).bfloat16()
+        small = Projection(8, 16, bias=False)
+        for module in (fp32, bf16, small):
+            prepare_projections(module)
+        assert bf16.packed is None and small.packed is None
         assert isinstance(fp32.packed, mkl_pack.PackedWeight) == mkl_pack.available()
         x = torch.randn(5, 8).bfloat16()
         assert torch.equal(bf16.project(x), F.linear(x, bf16.weight))
