@@ -6,8 +6,8 @@
         [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile] \
         [--contend 3.4,10]
 
-The runner is the engine's own (ModelRunner from a BatonConfig, CPU kernels as the services
-pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
+The runner is the decode engine's own (ModelRunner from a BatonConfig with its weight forms, CPU
+kernels as the services pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
 whole batch until the context reaches ``context`` tokens; the median step over the last half is
 reported. Floors beside them, by the bench's rules (loadtest/roofline.py: ``decode_floor``, the
 larger of (weight + KV bytes) / memory bandwidth and FLOPs / GEMM peak; ``prefill_flops`` / GEMM
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
         model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention,
         weight_format=weight_format,
     )  # fmt: skip
-    runner = ModelRunner(config)
+    runner = ModelRunner(config, role="decode")  # the forms the decode service keeps
     model_dir = resolve_model(args.model)
     shape = roofline.Shape.of(json.loads((model_dir / "config.json").read_text()))
     label = f"{dtype} {weight_format}"

@@ -92,7 +92,12 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
     ``[vocab, hidden]``, contiguous); it is still packed."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # By storage: the loader assigns a tied head its own Parameter over the embedding's tensor.
+    tied = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and not m.weight.is_meta
+    }
     head = getattr(model, "lm_head", None)
     packed = 0
     for module in model.modules():
@@ -113,7 +118,7 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
         if form is not None:
             module.packed = form
             packed += 1
-        if id(module.weight) in tied:
+        if module.weight.data_ptr() in tied:
             continue
         if role == "decode" and form is not None:
             form.min_rows, form.max_rows = 1, 1 << 62  # it serves every row count alone
