@@ -57,7 +57,8 @@ COMMANDS: dict[str, Command] = {
     "locust": Command("", about="how to run the Locust users (AMQP and HTTP), which run on gevent"),
 }
 # Runnable modules that are not tools: child processes of ``bench``.
-INTERNAL = frozenset({"baselines", "vllm_baseline"})
+# Run by the bench, or in another virtualenv (llamacpp_baseline: llama-cpp-python's).
+INTERNAL = frozenset({"baselines", "vllm_baseline", "llamacpp_baseline"})
 
 LOCUST = """The Locust users run under Locust's own command (gevent), not this one:
 

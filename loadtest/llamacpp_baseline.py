@@ -18,9 +18,11 @@ import ctypes
 import json
 import random
 import time
+from typing import Any
 
-import llama_cpp as lc  # type: ignore[import-not-found]
 import numpy as np
+
+lc: Any = None  # llama_cpp, imported by main(): only its own virtualenv has it
 
 
 def greedy_batch(
@@ -83,6 +85,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    global lc
+    import llama_cpp  # type: ignore[import-not-found]
+
+    lc = llama_cpp
     lc.llama_backend_init()
     mparams = lc.llama_model_default_params()
     model = lc.llama_model_load_from_file(args.gguf.encode(), mparams)

@@ -7,12 +7,12 @@
         [--contend 3.4,10]
 
 The runner is the decode engine's own (ModelRunner from a BatonConfig with its weight forms, CPU
-kernels as the services pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward. Decode: steps of the
-whole batch until the context reaches ``context`` tokens; the median step over the last half is
-reported. Floors beside them, by the bench's rules (loadtest/roofline.py: ``decode_floor``, the
-larger of (weight + KV bytes) / memory bandwidth and FLOPs / GEMM peak; ``prefill_flops`` / GEMM
-peak), with its probes: bandwidth on every usable core (the machine's), the GEMM at 2048 x hidden x
-intermediate in the model's dtype on the run's threads.
+kernels as the services pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward.
+Decode: steps of the whole batch until the context reaches ``context`` tokens; the median step over
+the last half is reported. Floors beside them, by the bench's rules (loadtest/roofline.py:
+``decode_floor``, the larger of (weight + KV bytes) / memory bandwidth and FLOPs / GEMM peak;
+``prefill_flops`` / GEMM peak), with its probes: bandwidth on every usable core (the machine's),
+the GEMM at 2048 x hidden x intermediate in the model's dtype on the run's threads.
 ``--contend BUSY_MS,PERIOD_MS`` then replays one decode step in blocks, alternately quiet and
 beside a process busy ``BUSY_MS`` in every ~``PERIOD_MS`` (as the broker and the light services
 are beside the engines on a small machine): a step split across threads waits for any thread
