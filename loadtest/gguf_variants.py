@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.runtime.quant_formats import PACKED_TYPES, dequantize, quantize
+from shared.runtime.gguf_weights import tensor_of
+from shared.runtime.quant_formats import PACKED_TYPES, quantize
 
 TYPES = ("F32", "F16", "BF16", *PACKED_TYPES)
 
@@ -42,8 +43,9 @@ def write_variant(src: Path, dst: Path, kind: str) -> Path:
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), value_type, sub_type=sub_type)
     for t in reader.tensors:
-        shape = [int(n) for n in reversed(t.shape)]
-        _add(writer, t.name, _as_float(t, shape), kind)
+        weight = tensor_of(t, torch.float32, packed=False)
+        assert isinstance(weight, torch.Tensor)
+        _add(writer, t.name, weight, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -182,20 +184,6 @@ def export_hf_dir(model_dir: Path) -> Path:
     AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tmp))
     os.replace(tmp, out)
     return out
-
-
-def _as_float(t: object, shape: list[int]) -> torch.Tensor:
-    kind = t.tensor_type.name  # type: ignore[attr-defined]
-    data = np.asarray(t.data)  # type: ignore[attr-defined]
-    if kind == "F32":
-        return torch.from_numpy(data.view(np.float32).reshape(shape).copy())
-    if kind == "F16":
-        return torch.from_numpy(data.view(np.float16).reshape(shape).astype(np.float32))
-    if kind == "BF16":
-        raw = torch.from_numpy(data.view(np.int16).reshape(shape).copy())
-        return raw.view(torch.bfloat16).float()
-    raw = torch.from_numpy(data.reshape(shape[0], -1).copy())
-    return dequantize(raw, PACKED_TYPES[kind], shape[1])
 
 
 def main(argv: list[str] | None = None) -> int:

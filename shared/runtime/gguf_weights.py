@@ -14,6 +14,7 @@ a row permutation moves whole rows of blocks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,24 +64,7 @@ def read_gguf(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: bool) ->
     out: dict[str, Weight] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        kind = t.tensor_type.name
-        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
-        weight: Weight
-        if kind in FLOAT_TYPES:
-            data = np.asarray(t.data).view(FLOAT_TYPES[kind]).reshape(shape)
-            weight = torch.from_numpy(data.copy()).to(dtype)
-        elif kind == "BF16":
-            bits = np.asarray(t.data).view(np.int16).reshape(shape).copy()
-            weight = torch.from_numpy(bits).view(torch.bfloat16).to(dtype)
-        elif kind in PACKED_TYPES:
-            raw = torch.from_numpy(np.asarray(t.data).reshape(shape[0], -1).copy())
-            quant = QuantWeight(raw, PACKED_TYPES[kind], shape[1])
-            weight = quant if packed and len(shape) == 2 else quant.dequantize().to(dtype)
-        else:
-            raise ValueError(
-                f"GGUF tensor {t.name!r} has type {kind}, which Baton does not run "
-                f"(F32, F16, BF16, {', '.join(PACKED_TYPES)}): requantize the file to one of them"
-            )
+        weight = tensor_of(t, dtype, packed)
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rows(weight, cfg.num_heads)
         elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -88,6 +72,27 @@ def read_gguf(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: bool) ->
         out[name] = weight
     del reader
     return out
+
+
+def tensor_of(t: Any, dtype: torch.dtype, packed: bool) -> Weight:
+    """One tensor of a ``GGUFReader`` copied out of the file: a tensor of ``dtype``, or a
+    :class:`QuantWeight` for a packed type when ``packed`` (2-D only)."""
+    kind = t.tensor_type.name
+    shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
+    data = np.asarray(t.data)
+    if kind in FLOAT_TYPES:
+        return torch.from_numpy(data.view(FLOAT_TYPES[kind]).reshape(shape).copy()).to(dtype)
+    if kind == "BF16":
+        bits = torch.from_numpy(data.view(np.int16).reshape(shape).copy())
+        return bits.view(torch.bfloat16).to(dtype)
+    if kind in PACKED_TYPES:
+        quant = QuantWeight(torch.from_numpy(data.reshape(shape[0], -1).copy()),
+                            PACKED_TYPES[kind], shape[1])  # fmt: skip
+        return quant if packed and len(shape) == 2 else quant.dequantize().to(dtype)
+    raise ValueError(
+        f"GGUF tensor {t.name!r} has type {kind}, which Baton does not run "
+        f"(F32, F16, BF16, {', '.join(PACKED_TYPES)}): requantize the file to one of them"
+    )
 
 
 def unpermute_rows(weight: Weight, num_heads: int) -> Weight:
