@@ -161,14 +161,14 @@ async def decode_killed(stack: Stack, amqp_url: str) -> Row:
                     wrong.append(rid)
             except AssertionError:
                 wrong.append(rid)
-        replays = log_.num_duplicates(ids)
+        replays = log_.num_repeated(ids)
     (after,) = stack.containers("decode")
     # A new process in the same container (restarted) or a new container (recreated); either
     # way one that started after the kill.
     restarted = stack.inspect(after)["State"]["StartedAt"] != started
     how = "recreated" if after != decode else "restarted" if restarted else "NOT restarted"
     note = (f"{in_flight} in flight at the kill; lost {len(lost)}, doubled {len(doubled)}, "
-            f"tokens differ {len(wrong)}; {replays} replayed token replies dropped; "
+            f"tokens differ {len(wrong)}; {replays} token positions received twice; "
             f"decode {how}")  # fmt: skip
     bad = len(set(lost) | set(doubled) | set(wrong)) + (in_flight == 0) + (not restarted)
     return Row("decode killed mid-stream", time.monotonic() - t0, len(ids), bad, None, note)

@@ -65,6 +65,7 @@ def write_from_hf(hf_dir: Path, dst: Path, kind: str = "F32") -> Path:
     import gguf
     from safetensors.torch import load_file
 
+    from shared.models.gguf_model import SAMPLING_FIELDS
     from shared.runtime.gguf_weights import LAYER_NAMES, TOP_NAMES
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -109,6 +110,10 @@ def write_from_hf(hf_dir: Path, dst: Path, kind: str = "F32") -> Path:
     if cfg.get("bos_token_id") is not None:
         w.add_bos_token_id(cfg["bos_token_id"])
     w.add_add_bos_token(False)
+    for key, hf_name in SAMPLING_FIELDS.items():  # as llama.cpp's converter: general.sampling.*
+        if gen.get(hf_name) is not None:
+            kind_of = gguf.GGUFValueType.INT32 if hf_name == "top_k" else gguf.GGUFValueType.FLOAT32
+            w.add_key_value(key, gen[hf_name], kind_of)
     template = json.loads((hf_dir / "tokenizer_config.json").read_text()).get("chat_template")
     if template:
         w.add_chat_template(template)

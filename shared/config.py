@@ -63,6 +63,11 @@ class BatonConfig:
     # The model id the HTTP gateway serves and answers to ("" = BATON_MODEL's name, or the
     # default model's), as vLLM's --served-model-name.
     served_model_name: str = ""
+    # Sampling defaults of the HTTP gateway's requests that omit temperature / top_p / top_k:
+    # "auto" = the model's generation_config.json, "vllm" = OpenAI's (temperature 1, no cut), or
+    # a directory holding a generation_config.json; as vLLM's --generation-config. The queue
+    # contract's defaults (greedy) never change.
+    generation_config: str = "auto"
     device: str = "cpu"
     # "auto": the checkpoint's dtype where the device computes it natively (never bf16 on a CPU
     # without bf16 instructions, never fp16 on a CPU), else float32, the exact mode; a GGUF file

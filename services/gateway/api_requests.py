@@ -7,10 +7,11 @@ limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], stop-string counts, p
 token ids inside the vocabulary) are left to the tokenizer service, the one authority on them;
 its ``invalid_request`` replies come back as 400s all the same.
 
-Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0, and a
-chat completion without ``max_tokens`` runs until EOS, a stop string or the model's length
-(``Limits.max_model_len``, capped by ``max_tokens_limit``; the tokenizer clamps it to what fits
-after the prompt); a completion's default stays 16.
+Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0 (or the
+model's ``generation_config.json`` values for ``temperature`` / ``top_p`` / ``top_k``, as in vLLM:
+sampling_defaults.py), and a chat completion without ``max_tokens`` runs until EOS, a stop
+string or the model's length (``Limits.max_model_len``, capped by ``max_tokens_limit``; the
+tokenizer clamps it to what fits after the prompt); a completion's default stays 16.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import ApiError, invalid
+from services.gateway.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from shared.config import BatonConfig
 from shared.limits import Limits
 from shared.models.catalog import DEFAULT_MODEL
@@ -54,14 +56,16 @@ def served_model_id(config: BatonConfig) -> str:
     return config.model.rstrip("/").rsplit("/", 1)[-1] if config.model else DEFAULT_MODEL
 
 
-def parse_completion(body: Any, config: BatonConfig) -> BatonRequest:
+def parse_completion(
+    body: Any, config: BatonConfig, defaults: SamplingDefaults = OPENAI_DEFAULTS
+) -> BatonRequest:
     body = _object(body)
     _refuse_unsupported(body, chat=False)
     baton = _prompt(body.get("prompt"))
     max_tokens = _opt(body, "max_tokens", int)
     # Baton's default is OpenAI's documented one for /v1/completions: 16.
     baton["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    return _finish(body, config, baton, chat=False)
+    return _finish(body, config, baton, defaults, chat=False)
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -84,7 +88,12 @@ def _prompt(prompt: Any) -> dict[str, Any]:
     raise invalid("prompt must be a string or a list of token ids", "prompt")
 
 
-def parse_chat(body: Any, config: BatonConfig, limits: Limits) -> BatonRequest:
+def parse_chat(
+    body: Any,
+    config: BatonConfig,
+    limits: Limits,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
+) -> BatonRequest:
     body = _object(body)
     _refuse_unsupported(body, chat=True)
     baton: dict[str, Any] = {"messages": _messages(body.get("messages"))}
@@ -95,11 +104,15 @@ def parse_chat(body: Any, config: BatonConfig, limits: Limits) -> BatonRequest:
     if max_tokens is None:
         max_tokens = min(limits.max_model_len, config.max_tokens_limit)
     baton["max_tokens"] = max_tokens
-    return _finish(body, config, baton, chat=True)
+    return _finish(body, config, baton, defaults, chat=True)
 
 
 def _finish(
-    body: dict[str, Any], config: BatonConfig, baton: dict[str, Any], chat: bool
+    body: dict[str, Any],
+    config: BatonConfig,
+    baton: dict[str, Any],
+    defaults: SamplingDefaults,
+    chat: bool,
 ) -> BatonRequest:
     model = body.get("model")
     served = served_model_id(config)
@@ -116,9 +129,11 @@ def _finish(
         raise invalid("stream_options must be an object", "stream_options")
     include_usage = bool(_opt(options or {}, "include_usage", bool))
 
-    temperature = _opt(body, "temperature", float)
-    baton["temperature"] = 1.0 if temperature is None else temperature
-    for name, kind in (("top_p", float), ("seed", int), ("timeout_s", float), ("top_k", int)):
+    baton.update(defaults.fields())
+    for name, kind in (
+        ("temperature", float), ("top_p", float), ("seed", int), ("timeout_s", float),
+        ("top_k", int),
+    ):  # fmt: skip
         value = _opt(body, name, kind)
         if value is not None:
             baton[name] = value

@@ -26,6 +26,7 @@ from services.gateway.api_requests import parse_chat, parse_completion, served_m
 from services.gateway.errors import ApiError, internal, invalid
 from services.gateway.exchange import SCOPE_STATUS, SCOPE_T0, Exchange, send_error
 from services.gateway.metrics import GatewayMetrics, route_label
+from services.gateway.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from shared.client import BatonClient
 from shared.config import BatonConfig
 from shared.limits import Limits
@@ -35,9 +36,13 @@ log = structlog.get_logger(__name__)
 
 
 def create_app(
-    config: BatonConfig, limits: Limits, client: BatonClient, metrics: GatewayMetrics
+    config: BatonConfig,
+    limits: Limits,
+    client: BatonClient,
+    metrics: GatewayMetrics,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> ASGIApp:
-    api = _Api(config, limits, client, metrics)
+    api = _Api(config, limits, client, metrics, defaults)
     app = Starlette(
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
@@ -57,10 +62,16 @@ def create_app(
 
 class _Api:
     def __init__(
-        self, config: BatonConfig, limits: Limits, client: BatonClient, metrics: GatewayMetrics
+        self,
+        config: BatonConfig,
+        limits: Limits,
+        client: BatonClient,
+        metrics: GatewayMetrics,
+        defaults: SamplingDefaults,
     ) -> None:
         self.config = config
         self.limits = limits
+        self.defaults = defaults
         self.client = client
         self._metrics = metrics
         self.model = served_model_id(config)
@@ -69,12 +80,12 @@ class _Api:
 
     async def completions(self, request: Request) -> Exchange:
         self._authorize(request)
-        req = parse_completion(await self._json(request), self.config)
+        req = parse_completion(await self._json(request), self.config, self.defaults)
         return Exchange(self.client, req, f"cmpl-{uuid.uuid4().hex}", self._metrics)
 
     async def chat_completions(self, request: Request) -> Exchange:
         self._authorize(request)
-        req = parse_chat(await self._json(request), self.config, self.limits)
+        req = parse_chat(await self._json(request), self.config, self.limits, self.defaults)
         return Exchange(self.client, req, f"chatcmpl-{uuid.uuid4().hex}", self._metrics)
 
     async def models(self, request: Request) -> Response:

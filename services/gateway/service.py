@@ -34,6 +34,7 @@ import uvicorn
 from services.gateway.api_requests import served_model_id
 from services.gateway.app import create_app
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.sampling_defaults import SamplingDefaults
 from services.shell.common import resolve_model_dir
 from shared.client import BatonClient, BatonUnavailable
 from shared.config import BatonConfig
@@ -83,14 +84,22 @@ class GatewayService:
     name = "gateway"
 
     def __init__(
-        self, config: BatonConfig, client: BatonClient | None = None, limits: Limits | None = None
+        self,
+        config: BatonConfig,
+        client: BatonClient | None = None,
+        limits: Limits | None = None,
+        defaults: SamplingDefaults | None = None,
     ) -> None:
-        """``limits``: default from the model's ``config.json`` (as the tokenizer's)."""
+        """``limits``: default from the model's ``config.json`` (as the tokenizer's);
+        ``defaults``: from its ``generation_config.json`` as ``BATON_GENERATION_CONFIG`` says."""
         check_exposure(config)
         self.config = config
-        if limits is None:
-            limits = Limits.for_model_dir(config, resolve_model_dir(config))
+        if limits is None or defaults is None:
+            model_dir = resolve_model_dir(config)
+            limits = limits or Limits.for_model_dir(config, model_dir)
+            defaults = defaults or SamplingDefaults.load(config.generation_config, model_dir)
         self.limits = limits
+        self.defaults = defaults
         self.metrics = GatewayMetrics()
         self.client = client  # given: owned by the caller (tests); None: connected in start()
         self._owns_client = client is None
@@ -108,7 +117,7 @@ class GatewayService:
             except BaseException:
                 sock.close()
                 raise
-        app = create_app(self.config, self.limits, self.client, self.metrics)
+        app = create_app(self.config, self.limits, self.client, self.metrics, self.defaults)
         server = _Server(
             uvicorn.Config(
                 app,

@@ -30,7 +30,16 @@ log = structlog.get_logger(__name__)
 
 MARKER_FILE = "baton_gguf.json"
 # Bump when the files written change: older directories are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The sampling settings a GGUF file may carry (llama.cpp's general.sampling.*), by their name in
+# generation_config.json.
+SAMPLING_FIELDS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 # GGUF general.architecture -> (HF architectures entry, model_type).
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -83,7 +92,12 @@ def write_model_dir(path: Path, out: Path) -> None:
     tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
     config = hf_config(fields, tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    generation: dict[str, Any] = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config
+    }
+    generation.update(
+        {hf: fields[key] for key, hf in SAMPLING_FIELDS.items() if fields.get(key) is not None}
+    )
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     _write_tokenizer(path, out)
     (out / MARKER_FILE).write_text(json.dumps({"gguf": str(path), "version": FORMAT_VERSION}))

@@ -195,3 +195,24 @@ def test_every_architecture_served_from_gguf_equals_hf(arch: str, tmp_path: Path
     finally:
         pair.close()
     assert [got[f"r{i}"] for i in range(len(prompts))] == want
+
+
+def test_sampling_settings_of_a_gguf_file_reach_the_gateway(tmp_path: Path) -> None:
+    """llama.cpp's converter keeps generation_config.json's sampling as general.sampling.*;
+    the model directory written from the file gives them back, and the gateway applies them."""
+    import shutil
+
+    from loadtest.gguf_variants import write_from_hf
+    from services.gateway.sampling_defaults import SamplingDefaults
+    from tests.runtime.helpers import tiny_model_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir("llama"), src)
+    gen = json.loads((src / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.9, top_k=40)
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    model_dir = gguf_model_dir(write_from_hf(src, tmp_path / "tiny.gguf"), cache_dir=tmp_path)
+    written = json.loads((model_dir / "generation_config.json").read_text())
+    assert written["top_k"] == 40 and abs(written["temperature"] - 0.6) < 1e-6
+    defaults = SamplingDefaults.load("auto", model_dir)
+    assert (defaults.top_k, round(defaults.top_p or 0, 6)) == (40, 0.9)
