@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shared.runtime.cpu_quant_linear import QuantWeight
+from shared.runtime.gguf_file import read_tensor_index
 from shared.runtime.model_config import ModelConfig
 from shared.runtime.quant_formats import PACKED_TYPES
 
@@ -56,13 +57,10 @@ def hf_name(name: str) -> str:
 
 
 def read_gguf(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: bool) -> dict[str, Weight]:
-    """Every tensor of the file as ``{hf_name: tensor or QuantWeight}``, copied out of the
-    file's mapping (the mapping is closed when this returns)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    """Every tensor of the file as ``{hf_name: tensor or QuantWeight}``, each read from the file
+    into memory of its own (gguf_file.py: the file is not left mapped)."""
     out: dict[str, Weight] = {}
-    for t in reader.tensors:
+    for t in read_tensor_index(path):
         name = hf_name(t.name)
         weight = tensor_of(t, dtype, packed)
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -70,23 +68,25 @@ def read_gguf(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: bool) ->
         elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rows(weight, cfg.num_kv_heads)
         out[name] = weight
-    del reader
     return out
 
 
 def tensor_of(t: Any, dtype: torch.dtype, packed: bool) -> Weight:
-    """One tensor of a ``GGUFReader`` copied out of the file: a tensor of ``dtype``, or a
-    :class:`QuantWeight` for a packed type when ``packed`` (2-D only)."""
+    """One tensor of a file (gguf_file.GgufTensor, or gguf-py's ReaderTensor: then copied out
+    of its mapping): a tensor of ``dtype``, or a :class:`QuantWeight` for a packed type when
+    ``packed`` (2-D only)."""
     kind = t.tensor_type.name
     shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
     data = np.asarray(t.data)
+    if not data.flags.owndata:
+        data = data.copy()
     if kind in FLOAT_TYPES:
-        return torch.from_numpy(data.view(FLOAT_TYPES[kind]).reshape(shape).copy()).to(dtype)
+        return torch.from_numpy(data.view(FLOAT_TYPES[kind]).reshape(shape)).to(dtype)
     if kind == "BF16":
-        bits = torch.from_numpy(data.view(np.int16).reshape(shape).copy())
+        bits = torch.from_numpy(data.view(np.int16).reshape(shape))
         return bits.view(torch.bfloat16).to(dtype)
     if kind in PACKED_TYPES:
-        quant = QuantWeight(torch.from_numpy(data.reshape(shape[0], -1).copy()),
+        quant = QuantWeight(torch.from_numpy(data.reshape(shape[0], -1)),
                             PACKED_TYPES[kind], shape[1])  # fmt: skip
         return quant if packed and len(shape) == 2 else quant.dequantize().to(dtype)
     raise ValueError(

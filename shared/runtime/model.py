@@ -71,6 +71,10 @@ class Projection(nn.Linear):
 
     packed: PackedWeight | OneDnnWeight | QuantWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: weights come from the checkpoint. (nn.Linear's random init on the meta
+        device imports torch._dynamo and Triton, which then stay resident in every engine.)"""
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
         if packed is not None and x.dim() == 2 and packed.min_rows <= x.shape[0] <= packed.max_rows:
@@ -196,7 +200,10 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given an (empty) weight, nn.Embedding skips its random init: see Projection.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         windows = cfg.layer_windows or (None,) * cfg.num_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -117,10 +117,12 @@ class ModelConfig:
         return max(w for w in self.layer_windows if w is not None)
 
     def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, computed exactly as transformers does (fp32)."""
+        """RoPE inverse frequencies, computed exactly as transformers does (fp32), on the CPU
+        whatever the default device (a meta-device context would import torch._dynamo)."""
         dim = self.head_dim
         base = self.rope_theta
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+        inv_freq = 1.0 / (base ** (steps / dim))
         params = dict(self.rope_params)
         if self.rope_type == "linear":
             inv_freq = inv_freq / params["factor"]

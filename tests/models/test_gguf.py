@@ -95,6 +95,34 @@ def test_every_tensor_type_loads_as_transformers_reads_it(
         assert torch.equal(got, want), name
 
 
+def test_tensor_index_reads_what_gguf_py_reads(smollm2: Path, tmp_path: Path) -> None:
+    """The engines' own index of a file (no metadata parsed, nothing left mapped): every
+    tensor's name, type, shape and bytes as gguf-py's reader has them; a cut file is refused."""
+    import gguf
+
+    from shared.runtime.gguf_file import read_tensor_index
+
+    ours = read_tensor_index(smollm2)
+    theirs = gguf.GGUFReader(str(smollm2)).tensors
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours] == [
+        (t.name, t.tensor_type, [int(n) for n in t.shape]) for t in theirs
+    ]
+    for mine, ref in [(ours[i], theirs[i]) for i in (0, 1, len(ours) // 2, len(ours) - 1)]:
+        assert mine.data.tobytes() == np.asarray(ref.data).tobytes(), mine.name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2.read_bytes()[: ours[-1].offset + 10])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        read_tensor_index(cut)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_tensor_index(_write(tmp_path, b"GGML"))
+
+
+def _write(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "other.bin"
+    path.write_bytes(data + bytes(64))
+    return path
+
+
 def test_packed_weights_are_held_once(smollm2: Path) -> None:
     """Packed: every projection and the embedding stay as GGML blocks (the plain weights never
     exist), tied head and embedding are one object, and the bytes held are the file's."""
