@@ -42,7 +42,7 @@ class GgufTensor:
         out = np.empty(self.nbytes, dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            if f.readinto(memoryview(out)) != self.nbytes:
+            if f.readinto(out.data) != self.nbytes:
                 raise ValueError(f"{self.path}: tensor {self.name!r} runs past the end of the file")
         return out
 
