@@ -1,6 +1,6 @@
-"""Async client for Baton's request queue (the fixed contract in DESIGN.md), on aio-pika.
+"""Async client for Baton's request queue (the contract: docs/contract.md), on aio-pika.
 
-One robust connection, one confirming channel and ONE exclusive reply queue per client; a single
+One robust connection, one confirming channel and ONE durable reply queue per client; a single
 consumer routes replies by ``correlation_id`` to per-request asyncio queues, so any number of
 requests stream concurrently. Direct reply-to is not used: it is at-most-once and unfit for
 streams.
