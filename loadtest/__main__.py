@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if name == "locust":
         print(LOCUST)
         return 0
+    from shared.native import cpu_isa
+
+    cpu_isa.apply(cpu_isa.current())  # BATON_CPU_ISA, before the tool loads torch
     module = importlib.import_module(f"loadtest.{command.module}")
     sys.argv = [f"{PROG} {name}", *command.first_args, *rest]  # argparse's prog and options
     code = module.main()

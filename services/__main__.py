@@ -18,7 +18,7 @@ import structlog
 from services.shell.cpus import split_engine_cpus
 from services.shell.registry import NAMES, SERVICES, port_offset, spec
 from shared.config import BatonConfig
-from shared.native import mkl_dispatch
+from shared.native import cpu_isa, mkl_dispatch
 from shared.observability.logging import configure_logging
 
 log = structlog.get_logger("services")
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = BatonConfig.from_args(args)
     # Before torch loads (may re-execute this process; `up`'s children inherit the result).
+    cpu_isa.apply(config.cpu_isa)
     mkl_dispatch.ensure(config.mkl_dispatch)
     from shared.models.catalog import ModelUnavailable
 

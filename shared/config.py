@@ -123,6 +123,10 @@ class BatonConfig:
     # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library
     # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See shared/runtime/mkl_dispatch.py.
     mkl_dispatch: str = "features"
+    # The instruction sets native code may use: "native" (this CPU's), "avx2" (AVX2 + FMA: the C
+    # kernels, MKL, oneDNN and ATen held to what an AMD Zen 3 or an older Intel has, bf16 then
+    # computed in fp32) or "portable" (the x86-64 baseline). See shared/native/cpu_isa.py.
+    cpu_isa: str = "native"
     # --- limits -------------------------------------------------------------------------------
     max_model_len: int = 2048
     max_prompt_tokens: int = 1536

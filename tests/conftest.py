@@ -23,11 +23,13 @@ import pytest
 os.environ.setdefault("BATON_MODEL", "tiny-random")
 
 from shared.config import BatonConfig
-from shared.native import mkl_dispatch
+from shared.native import cpu_isa, mkl_dispatch
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    env = mkl_dispatch.reexec_env(BatonConfig.from_env().mkl_dispatch)
+    settings = BatonConfig.from_env()
+    cpu_isa.apply(settings.cpu_isa)  # BATON_CPU_ISA=avx2 make test: the AVX2 paths throughout
+    env = mkl_dispatch.reexec_env(settings.mkl_dispatch)
     if env is not None:
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import structlog
 
 from shared.config import default_cache_dir
+from shared.native import cpu_isa
 
 log = structlog.get_logger(__name__)
 
@@ -29,7 +30,9 @@ CSRC = Path(__file__).parents[1] / "runtime" / "csrc"
 
 
 def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path) -> Path:
-    """The compiled library (built if missing); RuntimeError without a working compiler."""
+    """The compiled library (built if missing); RuntimeError without a working compiler.
+    ``-march=native`` in ``flags`` is held to ``BATON_CPU_ISA`` (cpu_isa.py)."""
+    flags = cpu_isa.march(flags)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from shared.models.gguf_model import gguf_path_of
+from shared.native import cpu_isa
 from shared.runtime.cpu_quant_linear import QuantWeight
 from shared.runtime.gguf_weights import Weight, cat_rows, read_gguf
 from shared.runtime.model import CausalLM, Projection
@@ -45,17 +46,6 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; one of {sorted(DTYPES)}") from None
 
 
-def cpu_computes_bf16() -> bool:
-    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX on x86, BF16 on Arm): without
-    it every bf16 op is emulated and a bf16 model runs several times slower than fp32."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set(text.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
 def resolve_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dtype:
     """``BATON_DTYPE``: a dtype by name, or ``auto``: the checkpoint's dtype where the device
     computes it natively, else fp32 (the exact mode). On a CPU: bf16 only with bf16
@@ -63,7 +53,7 @@ def resolve_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dty
     in registers either way)."""
     if name.lower() != "auto":
         dtype = parse_dtype(name)
-        if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_computes_bf16():
+        if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_isa.computes_bf16():
             log.warning("bf16 on a CPU without bf16 instructions is emulated: expect it slow; "
                         "BATON_DTYPE=auto picks fp32 here")  # fmt: skip
         return dtype
@@ -73,7 +63,7 @@ def resolve_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dty
     declared = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
     dtype = DTYPES.get(declared.lower(), torch.float32)
     if device.type == "cpu" and (
-        dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_computes_bf16())
+        dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_isa.computes_bf16())
     ):
         return torch.float32
     return dtype

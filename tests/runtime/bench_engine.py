@@ -19,9 +19,10 @@ import statistics
 import time
 
 from shared.config import BatonConfig
-from shared.native import mkl_dispatch
+from shared.native import cpu_isa, mkl_dispatch
 
 if __name__ == "__main__":  # the engine's MKL kernels, as the services choose them
+    cpu_isa.apply(BatonConfig.from_env().cpu_isa)
     mkl_dispatch.ensure(BatonConfig.from_env().mkl_dispatch)
 
 import torch  # noqa: E402  (after the re-execution above)
