@@ -19,15 +19,12 @@ import pytest
 from shared.native import cpu_isa
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = [
-    "tests/runtime/test_quant_linear.py",
-    "tests/runtime/test_cpu_attention.py",
-    "tests/runtime/test_cpu_prefill_attention.py",
-    "tests/runtime/test_cpu_bf16_ops.py",
-    "tests/runtime/test_cpu_rope.py",
-    "tests/runtime/test_cpu_argmax.py",
-    "tests/runtime/test_kv_int8.py",
-]
+# Each C kernel's test (one file per op): test_cpu_<op>.py, the quantized linears, the int8 KV.
+KERNEL_TESTS = sorted(
+    str(p.relative_to(ROOT))
+    for pattern in ("test_cpu_*.py", "test_quant_linear.py", "test_kv_int8.py")
+    for p in (ROOT / "tests" / "runtime").glob(pattern)
+)
 
 
 def test_settings_hold_the_compiler_and_the_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
