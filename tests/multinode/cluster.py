@@ -154,6 +154,26 @@ def rabbitmq_cluster(size: int = 3) -> Iterator[list[ClusterNode]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@contextmanager
+def cluster_or_skip(size: int) -> Iterator[list[ClusterNode]]:
+    """:func:`rabbitmq_cluster` for a test fixture: the test is skipped, with the reason, where
+    ``size`` nodes cannot start on this machine."""
+    import pytest
+
+    why = cluster_unavailable()
+    if why:
+        pytest.skip(why)
+    try:
+        context = rabbitmq_cluster(size)
+        nodes = context.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(f"{size} RabbitMQ node(s) cannot start here: {exc}")
+    try:
+        yield nodes
+    finally:
+        context.__exit__(None, None, None)
+
+
 def _log_tail(d: Path, chars: int = 2000) -> str:
     logs = sorted(d.rglob("*.log"))
     return " | ".join(p.read_text(errors="replace")[-chars:] for p in logs[-3:])

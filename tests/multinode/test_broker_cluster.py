@@ -19,25 +19,15 @@ import pytest
 
 from services.launcher import ServiceProcesses
 from tests.fault.harness import ALL_SERVICES, FAULT_ENV, ReplyLog, batch, check
-from tests.multinode.cluster import ClusterNode, cluster_unavailable, listening, rabbitmq_cluster
+from tests.multinode.cluster import ClusterNode, cluster_or_skip, listening
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[ClusterNode]]:
-    why = cluster_unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        context = rabbitmq_cluster(3)
-        nodes = context.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(f"a three-node RabbitMQ cluster cannot start here: {exc}")
-    try:
+    with cluster_or_skip(3) as nodes:
         yield nodes
-    finally:
-        context.__exit__(None, None, None)
 
 
 async def test_a_broker_node_killed_mid_stream_loses_nothing(cluster: list[ClusterNode]) -> None:

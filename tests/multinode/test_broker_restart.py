@@ -22,7 +22,7 @@ from services.launcher import ServiceProcesses
 from shared.client import BatonClient
 from shared.config import BatonConfig
 from tests.fault.harness import ALL_SERVICES, FAULT_ENV
-from tests.multinode.cluster import ClusterNode, cluster_unavailable, listening, rabbitmq_cluster
+from tests.multinode.cluster import ClusterNode, cluster_or_skip, listening
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,18 +33,8 @@ PROMPTS = [[11 + i, 250 + 3 * i, 42, 7 + i, 400 + i] for i in range(NUM_STREAMS)
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[ClusterNode]:
-    why = cluster_unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        context = rabbitmq_cluster(1)
-        nodes = context.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(f"a private RabbitMQ node cannot start here: {exc}")
-    try:
+    with cluster_or_skip(1) as nodes:
         yield nodes[0]
-    finally:
-        context.__exit__(None, None, None)
 
 
 async def _library_stream(client: BatonClient, prompt: list[int], seen: list[int]) -> list[str]:
