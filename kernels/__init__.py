@@ -3,7 +3,7 @@
 The entry points below import their module (and so triton) on first call: `import kernels`
 works on machines without triton, and kernels are decorated only when used, after a test
 harness had the chance to set TRITON_INTERPRET. Shapes and layouts are those of
-.notes/ENGINE.md: caches [num_blocks, block_size, num_kv_heads, head_dim], block_tables and
+docs/engine.md: caches [num_blocks, block_size, num_kv_heads, head_dim], block_tables and
 sequence lengths int32, slot_mapping int64.
 
 Two submodules share their names with the functions they define (paged_decode_attention,

@@ -1,4 +1,4 @@
-"""What every reply to a fuzz case must satisfy: the client contract (``../shared/DESIGN.md``).
+"""What every reply to a fuzz case must satisfy: the client contract (docs/contract.md).
 
 Pure functions over the replies one case got, so the rules are readable in one place and
 testable without a broker. Each returns the problems found (empty: the case passed).

@@ -20,7 +20,7 @@ mask); the metadata keeps what each window needs (which rows, masks, starts) onc
 built by the first layer that asks. No path reads a block below a sequence's window start: those
 blocks may have been freed (the block manager's null entries).
 
-Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see ENGINE.md.
+Layer pools: ``kv_layer [2, num_blocks, block_size, Hkv, D]`` (0 = K, 1 = V), see docs/engine.md.
 """
 
 from __future__ import annotations
