@@ -125,24 +125,28 @@ def test_a_long_step_follows_the_other_engines_work_between_layers(table: Path) 
 
 
 def test_decode_yields_to_a_busy_prefill_for_at_most_its_bound(table: Path) -> None:
-    """A decode engine with work waits while a prefill engine computes (and is idle while it
-    waits, so prefill's budget is every core), but never longer than ``yield_s`` since its
-    last step, and never for another decode engine."""
+    """A decode engine with work waits while a prefill engine computes a wave of more
+    sequences than decode runs (and is idle while it waits, so prefill's budget is every core),
+    but never longer than ``yield_s`` since its last step, never for a smaller wave (steady
+    arrivals: one prompt at a time beside a full decode batch) and never for another decode."""
     prefill = CpuShareManager(table, 2, prefill=True)
     decode, other_decode = CpuShareManager(table, 2), CpuShareManager(table, 2)
-    assert not decode.decode_yields(0.1, 0.5)  # nobody busy
-    other_decode.budget(busy=True)
-    assert not decode.decode_yields(0.1, 0.5)  # a busy decode replica is no reason to wait
+    assert not decode.decode_yields(0.1, 0.5, running=1)  # nobody busy
+    other_decode.budget(busy=True, seqs=40)
+    assert not decode.decode_yields(0.1, 0.5, running=1)  # a busy decode replica: no reason
     other_decode.idle()
-    prefill.budget(busy=True)
-    decode.budget(busy=True)
-    assert prefill.budget(busy=True) == 1  # both busy: a core each
-    assert decode.decode_yields(0.1, 0.5)
-    assert prefill.budget(busy=True) == 2  # decode waits idle: prefill takes both
-    assert not decode.decode_yields(0.5, 0.5)  # its bound reached: it steps
-    assert not decode.decode_yields(0.1, 0.0)  # BATON_DECODE_YIELD_S=0: never waits
+    prefill.budget(busy=True, seqs=15)  # a burst's wave
+    decode.budget(busy=True, seqs=1)
+    assert prefill.budget(busy=True, seqs=15) == 1  # both busy: a core each
+    assert decode.decode_yields(0.1, 0.5, running=1)
+    assert prefill.budget(busy=True, seqs=15) == 2  # decode waits idle: prefill takes both
+    assert not decode.decode_yields(0.5, 0.5, running=1)  # its bound reached: it steps
+    assert not decode.decode_yields(0.1, 0.0, running=1)  # BATON_DECODE_YIELD_S=0: never
+    assert not decode.decode_yields(0.1, 0.5, running=15)  # as many running as in the wave
+    prefill.budget(busy=True, seqs=2)  # arrivals: a small wave beside a large batch
+    assert not decode.decode_yields(0.1, 0.5, running=30)
     prefill.idle()
-    assert not decode.decode_yields(0.1, 0.5)
+    assert not decode.decode_yields(0.1, 0.5, running=1)
 
 
 def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:

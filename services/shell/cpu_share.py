@@ -40,7 +40,9 @@ T = TypeVar("T")
 # between GEMMs, the bench model gains from it too (median of three passes, four alternating
 # pairs, 2-core Xeon: 4,578 tok/s split vs 5,012 shared on average, TTFT p50 ~280 -> ~200 ms).
 SLOTS = 16
-SLOT = struct.Struct("<qqd")  # pid, busy, heartbeat (time.time())
+# pid, busy, heartbeat (time.time()), and how many sequences the engine serves (waiting and
+# running: what a step of it stands for, :meth:`CpuShareManager.decode_yields`).
+SLOT = struct.Struct("<qqdq")
 # A slot's busy field: 0 idle, else which engine is busy (a reader that only asks "busy?" reads
 # any nonzero value as busy).
 BUSY, BUSY_PREFILL = 1, 2
@@ -54,7 +56,7 @@ def table_path(amqp_url: str, cpus: frozenset[int], root: Path = SHM_DIR) -> Pat
     (credentials left out: each service may log in as its own user)."""
     url = urlsplit(amqp_url)
     where = f"{url.hostname}:{url.port}{url.path or '/'}|{','.join(map(str, sorted(cpus)))}"
-    return root / f"baton-cpu-{hashlib.sha1(where.encode()).hexdigest()[:16]}"
+    return root / f"baton-cpu2-{hashlib.sha1(where.encode()).hexdigest()[:16]}"
 
 
 def fair_share(cores: int, others_busy: int) -> int:
@@ -99,11 +101,12 @@ class CpuShareManager:
             fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the map holds a duplicate of fd
             os.close(fd)
         self.threads = 0  # the count of the last step (set in the step's thread)
+        self._seqs = 0  # the sequences of the step running (set in the step's thread)
 
     def _claim(self) -> int:
         now = self.clock()
         for i in range(SLOTS):
-            pid, _busy, beat = SLOT.unpack_from(self._map, i * SLOT.size)
+            pid, _busy, beat, _seqs = SLOT.unpack_from(self._map, i * SLOT.size)
             if not self._live(pid, beat, now):  # free, or its engine gone
                 return i
         raise RuntimeError(f"every slot of {self.path} is held by a live engine")
@@ -111,49 +114,61 @@ class CpuShareManager:
     def _live(self, pid: int, beat: float, now: float) -> bool:
         return pid != 0 and now - beat < TTL_S and _alive(pid)
 
-    def _write(self, busy: bool) -> None:
+    def _write(self, busy: bool, seqs: int = 0) -> None:
         mark = self.busy_mark if busy else 0
-        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, mark, self.clock())
+        SLOT.pack_into(self._map, self.slot * SLOT.size, self.pid, mark, self.clock(), seqs)
 
-    def _others(self) -> list[int]:
-        """The busy fields of the other live engines' slots."""
+    def _others(self) -> list[tuple[int, int]]:
+        """(busy field, sequences) of the other live, busy engines' slots."""
         now = self.clock()
         marks = []
         for i in range(SLOTS):
             if i == self.slot:
                 continue
-            pid, busy, beat = SLOT.unpack_from(self._map, i * SLOT.size)
+            pid, busy, beat, seqs = SLOT.unpack_from(self._map, i * SLOT.size)
             if busy and self._live(pid, beat, now):
-                marks.append(busy)
+                marks.append((busy, seqs))
         return marks
 
     def others_busy(self) -> int:
         return len(self._others())
 
-    def decode_yields(self, since_step_s: float, yield_s: float) -> bool:
-        """Whether a decode engine with work lets its next step wait: while a prefill engine of
-        the deployment computes, for at most ``yield_s`` since its last step (``since_step_s``
-        ago). Waiting, it is marked idle, so prefill takes every core at its next layer.
+    def decode_yields(self, since_step_s: float, yield_s: float, running: int) -> bool:
+        """Whether a decode engine running ``running`` sequences lets its next step wait: while
+        a prefill engine of the deployment computes for more sequences than that, for at most
+        ``yield_s`` since its last step (``since_step_s`` ago). Waiting, it is marked idle, so
+        prefill takes every core at its next layer.
 
         Why: a decode step streams every weight whatever its batch, so beside a prefill wave a
         decode of one or two sequences took half the cores for as long as the wave ran (Qwen2-0.5B
         shape, fp32, a burst's lone first request: 31 steps of ~110 ms on one core while the
         other 15 prompts' wave took 6.3-6.5 s, 4.0-4.7 s alone). A single engine runs such
         decodes inside its prefill's forward, a token per forward; this is the same trade, with
-        a bound."""
-        if yield_s <= 0 or since_step_s >= yield_s or BUSY_PREFILL not in self._others():
+        a bound.
+
+        Only for a wave of more sequences than decode runs: the wait delays every running
+        sequence's next token to hasten the wave's first tokens, a gain where the wave is the
+        larger (a burst's first prompts decoding while the rest prefill), a loss under steady
+        arrivals, where prefill's waves are one or two prompts and decode runs dozens — there
+        yielding made every decode step wait out the waves, and the time per output token grew
+        with the arrival rate."""
+        if yield_s <= 0 or since_step_s >= yield_s:
+            return False
+        if not any(mark == BUSY_PREFILL and seqs > running for mark, seqs in self._others()):
             return False
         self.idle()
         return True
 
-    def budget(self, busy: bool) -> int:
-        """Mark this engine busy or idle (and alive) and return its thread count now."""
-        self._write(busy)
+    def budget(self, busy: bool, seqs: int = 0) -> int:
+        """Mark this engine busy (serving ``seqs`` sequences) or idle, and alive, and return its
+        thread count now."""
+        self._write(busy, seqs)
         return fair_share(self.cores, self.others_busy()) if busy else self.cores
 
-    def run_step(self, busy: bool, step: Callable[[], T]) -> T:
+    def run_step(self, busy: bool, step: Callable[[], T], seqs: int = 0) -> T:
         """``step`` with this engine's budget as torch's thread count (set only where this
         thread's differs); call it in the thread that runs the step."""
+        self._seqs = seqs
         self._follow_budget(busy)
         return step()
 
@@ -161,7 +176,7 @@ class CpuShareManager:
         """torch's thread count in this thread set to the budget (only where it differs)."""
         import torch
 
-        threads = self.budget(busy)
+        threads = self.budget(busy, self._seqs)
         # Compared with this thread's own count, not the last one set: the count is per thread.
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -181,4 +196,4 @@ class CpuShareManager:
     def close(self) -> None:
         """Give the slot back (a killed engine's slot expires instead). The map stays open: a
         step may still be finishing in its thread."""
-        SLOT.pack_into(self._map, self.slot * SLOT.size, 0, 0, 0.0)
+        SLOT.pack_into(self._map, self.slot * SLOT.size, 0, 0, 0.0, 0)

@@ -306,14 +306,16 @@ class EngineService(ABC):
         share = self.cpu_share
         if share is None or not self.engine.has_work():
             return False
-        return share.decode_yields(time.monotonic() - self._last_step_at, self.yield_s)
+        since = time.monotonic() - self._last_step_at
+        return share.decode_yields(since, self.yield_s, self.engine.num_running)
 
     def _step(self) -> StepOutput:
         """One engine step, in the worker thread, at this engine's share of the cores."""
         share = self.cpu_share
         if share is None:
             return self.engine.step()
-        out = share.run_step(self.engine.has_work(), self.engine.step)
+        seqs = self.engine.num_waiting + self.engine.num_running
+        out = share.run_step(self.engine.has_work(), self.engine.step, seqs)
         if not self.engine.has_work():
             share.idle()  # the other engines' next steps may take these cores
         return out
