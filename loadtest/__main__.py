@@ -44,6 +44,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "gateway-overhead": Command("gateway_overhead"),
     "exactly-once": Command("exactly_once_bench"),
+    "serve-bench": Command("serve_bench"),
     # Engine and transport benchmarks (in process, no broker)
     "longctx": Command("longctx"),
     "layerwise": Command("layerwise_bench"),

@@ -76,6 +76,23 @@ def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> list[floa
     return [float(x) for x in np.cumsum(gaps)]
 
 
+def gamma_arrivals(
+    rng: np.random.Generator, n: int, rate: float, burstiness: float = 1.0
+) -> list[float]:
+    """Arrival offsets with gamma-distributed gaps of mean ``1/rate`` and shape ``burstiness``
+    (vLLM's ``--burstiness``): 1 is a Poisson process, below 1 burstier, above 1 more even.
+
+    ``burstiness`` 1 is :func:`poisson_arrivals` itself, so a Poisson workload draws the same
+    random numbers (and so the same requests) whichever function built it."""
+    if burstiness <= 0 or not math.isfinite(burstiness):
+        raise ValueError(f"burstiness must be positive and finite, got {burstiness}")
+    if burstiness == 1.0 or rate <= 0 or math.isinf(rate):
+        return poisson_arrivals(rng, n, rate)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return [float(x) for x in np.cumsum(gaps)]
+
+
 def make_workload(
     num_requests: int,
     input_len: int,
@@ -87,14 +104,16 @@ def make_workload(
     rate: float = math.inf,
     exclude_ids: Iterable[int] = (),
     priorities: Sequence[tuple[int, float]] | None = None,
+    burstiness: float = 1.0,
 ) -> list[RequestSpec]:
-    """A deterministic workload: the same arguments always give the same requests."""
+    """A deterministic workload: the same arguments always give the same requests. Arrivals:
+    :func:`gamma_arrivals` (``burstiness`` 1, the default, is a Poisson process)."""
     rng = np.random.default_rng(seed)
     in_lens = sample_lengths(rng, num_requests, input_len, range_ratio)
     out_lens = sample_lengths(rng, num_requests, output_len, range_ratio)
     excluded = tuple(exclude_ids)
     prompts = [random_token_ids(rng, n, vocab_size, excluded) for n in in_lens]
-    arrivals = poisson_arrivals(rng, num_requests, rate)
+    arrivals = gamma_arrivals(rng, num_requests, rate, burstiness)
     prios: list[int | None] = [None] * num_requests
     if priorities:
         prios = [pick_weighted(rng, priorities) for _ in range(num_requests)]
