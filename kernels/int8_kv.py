@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
+from kernels.int8_ref import dequantize_kv_ref, quantize_kv_ref  # noqa: F401 (its API)
 from kernels.paged_decode_attention import (
     FullPrecisionWindow,
     check_decode_args,
@@ -135,20 +136,6 @@ def paged_decode_attention_int8(
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, num_splits,
         max_context_len,
     )  # fmt: skip
-
-
-def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    x_q = torch.floor(xf * inv[..., None] + 0.5).clamp(-127, 127).to(torch.int8)
-    return x_q, amax / 127.0
-
-
-def dequantize_kv_ref(
-    x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    return (x_q.float() * scale[..., None]).to(dtype)
 
 
 def paged_decode_attention_int8_ref(

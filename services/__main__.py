@@ -53,9 +53,10 @@ def run_one(name: str, config: BatonConfig) -> None:
     asyncio.run(run_until_signalled(service))
 
 
-def run_all(config: BatonConfig) -> int:
-    """Start every service as a child. Stop them all on Ctrl-C/SIGTERM or when one fails; one
-    that exits 0 (drained) is let go, and ``up`` ends when none is left."""
+def run_all(config: BatonConfig, flags: list[str] | None = None) -> int:
+    """Start every service as a child, with ``flags`` (default: this command line's own). Stop
+    them all on Ctrl-C/SIGTERM or when one fails; one that exits 0 (drained) is let go, and
+    ``up`` ends when none is left."""
     configure_logging(config.log_level, config.log_format, service="up")
     from services.shell.common import resolve_model_dir
 
@@ -89,7 +90,8 @@ def run_all(config: BatonConfig) -> int:
             env["BATON_AMQP_URL"] = own_url
         if config.metrics_port and s.metrics_endpoint:
             env["BATON_METRICS_PORT"] = str(config.metrics_port + port_offset(s.name))
-        cmd = [sys.executable, "-m", "services", s.name, *_passthrough_args()]
+        args = _passthrough_args() if flags is None else flags
+        cmd = [sys.executable, "-m", "services", s.name, *args]
         children[s.name] = subprocess.Popen(cmd, env=env)
     log.info("services started", pids={n: p.pid for n, p in children.items()})
     stopping = False
@@ -161,6 +163,22 @@ def _passthrough_args() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    services = "\n".join(f"  {s.name:<12} {s.summary}" for s in SERVICES)
+    parser = argparse.ArgumentParser(
+        prog="python -m services",
+        description=__doc__,
+        epilog=f"services, in start order:\n{services}\n  {'up':<12} all of them",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("service", choices=("up", *NAMES), help="a service, or up for all")
+    BatonConfig.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return launch(args.service, BatonConfig.from_args(args))
+
+
+def launch(service: str, config: BatonConfig, flags: list[str] | None = None) -> int:
+    """Run ``service``, or ``up``: every service as a child started with ``flags`` (default:
+    this process's own command line after the service name). The exit status."""
     # Idle OpenMP workers spin briefly, then sleep (read by the OpenMP runtime when torch
     # loads, so set before that). Spinning across the gap between two parallel regions of one
     # step keeps the team awake through the step; sleeping soon after it leaves the cores to the
@@ -172,26 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
         os.environ.setdefault("KMP_BLOCKTIME", "1")
-    services = "\n".join(f"  {s.name:<12} {s.summary}" for s in SERVICES)
-    parser = argparse.ArgumentParser(
-        prog="python -m services",
-        description=__doc__,
-        epilog=f"services, in start order:\n{services}\n  {'up':<12} all of them",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("service", choices=("up", *NAMES), help="a service, or up for all")
-    BatonConfig.add_arguments(parser)
-    args = parser.parse_args(argv)
-    config = BatonConfig.from_args(args)
     # Before torch loads (may re-execute this process; `up`'s children inherit the result).
     cpu_isa.apply(config.cpu_isa)
     mkl_dispatch.ensure(config.mkl_dispatch)
     from shared.models.catalog import ModelUnavailable
 
     try:
-        if args.service == "up":
-            return run_all(config)
-        run_one(args.service, config)
+        if service == "up":
+            return run_all(config, flags)
+        run_one(service, config)
     except ModelUnavailable as exc:  # one line that says what to do, not a traceback
         print(f"baton: {exc}", file=sys.stderr)
         return 2

@@ -10,9 +10,12 @@ import argparse
 import dataclasses
 import os
 import tempfile
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
+
+import shared.config_flags as config_flags
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +43,7 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True)
 class BatonConfig:
     # --- broker -------------------------------------------------------------------------------
+    # The RabbitMQ broker (and vhost) every service and client of this deployment connects to.
     amqp_url: str = DEFAULT_AMQP_URL
     # Broker users that may publish internal work (comma-separated; "" = no check, for one shared
     # user in development). A service dead-letters work from anyone else: RabbitMQ vouches for
@@ -68,6 +72,7 @@ class BatonConfig:
     # a directory holding a generation_config.json; as vLLM's --generation-config. The queue
     # contract's defaults (greedy) never change.
     generation_config: str = "auto"
+    # Where the engines run: "cpu", or a torch CUDA device ("cuda", "cuda:1").
     device: str = "cpu"
     # "auto": the checkpoint's dtype where the device computes it natively (never bf16 on a CPU
     # without bf16 instructions, never fp16 on a CPU), else float32, the exact mode; a GGUF file
@@ -128,17 +133,24 @@ class BatonConfig:
     # computed in fp32) or "portable" (the x86-64 baseline). See shared/native/cpu_isa.py.
     cpu_isa: str = "native"
     # --- limits -------------------------------------------------------------------------------
+    # The longest sequence (prompt and output) an engine serves; the model's
+    # max_position_embeddings caps it.
     max_model_len: int = 2048
+    # The longest prompt the tokenizer accepts (a longer one is refused: prompt_too_long).
     max_prompt_tokens: int = 1536
+    # The largest max_tokens a request may ask for.
     max_tokens_limit: int = 4096
+    # How many stop strings a request may give, and how long each may be (characters).
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     # The tokenizer answers ``overloaded`` while baton.prefill holds this many requests.
     max_prefill_backlog: int = 10_000
     # --- paged KV cache -----------------------------------------------------------------------
+    # Tokens per block of the paged KV cache.
     block_size: int = 16
-    # 0 = derive from kv_cache_mb; otherwise an exact count.
+    # KV blocks of each engine: 0 = as many as kv_cache_mb holds; otherwise an exact count.
     num_kv_blocks: int = 0
+    # Each engine's KV cache pool in MB (when num_kv_blocks is 0).
     kv_cache_mb: int = 256
     # Prefill and decode: a host tier of this many MB beside each engine's device pool (pinned
     # host memory on CUDA). Blocks beyond the device pool's share go there and every forward
@@ -159,10 +171,12 @@ class BatonConfig:
     # computing it and let decode pull each layer as prefill writes it (kv_transfer/layerwise.py);
     # off: the whole request after its last forward.
     kv_layerwise: bool = True
+    # Reuse the KV of a prompt prefix computed before (whole blocks, matched by content hash).
     enable_prefix_caching: bool = True
     # --- prefill scheduling -------------------------------------------------------------------
     # Token budget of one prefill forward (short prompts batched, long ones chunked to fit).
     max_num_batched_tokens: int = 2048
+    # The most prompts in one prefill forward.
     prefill_max_num_seqs: int = 64
     # Prefill waking to more than one request waits for the rest of the burst: until no new
     # one has come for prefill_batch_wait_s, at most prefill_batch_wait_max_s (seconds). A lone
@@ -170,6 +184,7 @@ class BatonConfig:
     prefill_batch_wait_s: float = 0.01
     prefill_batch_wait_max_s: float = 0.05
     # --- decode scheduling --------------------------------------------------------------------
+    # The most sequences in one decode step (the running batch).
     max_num_seqs: int = 128
     # How decode preempts when KV blocks run short: "swap" copies the victim's KV to the spill
     # store and hands the request back to baton.decode, for any decode worker with room to resume
@@ -264,7 +279,9 @@ class BatonConfig:
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.1
     # --- KV transport -------------------------------------------------------------------------
-    kv_transport: str = "shm"  # "shm" | "pool" (CPU, same node) | "cuda-ipc" | "mooncake"
+    # How a prompt's KV travels from prefill to decode: "shm" (the spill store), "pool" (decode
+    # copies from prefill's shared-memory pool; CPU, same node), "cuda-ipc" or "mooncake".
+    kv_transport: str = "shm"
     # "spill": a transport that cannot work here falls back to the spill store, counted and
     # logged; "" (default): it is a start-up error. Never silent.
     kv_fallback: str = ""
@@ -281,22 +298,28 @@ class BatonConfig:
     kv_mooncake_protocol: str = "tcp"
     kv_mooncake_device: str = ""
     kv_mooncake_metadata: str = "P2PHANDSHAKE"
+    # The spill store (the shm transport, swapped-out sequences): its directory and size limit.
     spill_dir: str = "/dev/shm/baton"
     spill_max_bytes: int = 4 << 30
     # An entry nobody loaded within this time belonged to a request that died: reclaimed.
     spill_orphan_timeout_s: float = 300.0
     # --- observability ------------------------------------------------------------------------
-    log_format: str = "auto"  # "auto" (json unless a tty) | "json" | "console"
+    # Log lines as "json", "console" (for people) or "auto" (json unless a terminal).
+    log_format: str = "auto"
+    # The least severe level logged: "debug", "info", "warning" or "error".
     log_level: str = "info"
     # 0 = no metrics server. Each service adds its own offset (see services/__main__.py).
     metrics_port: int = 0
     # --- gateway ------------------------------------------------------------------------------
-    # The OpenAI-compatible HTTP gateway (services/gateway, docs/gateway.md).
+    # The address the OpenAI-compatible HTTP gateway (services/gateway, docs/gateway.md) listens
+    # on.
     gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8000  # 0 = any free port (the bound port is logged)
-    # "" = no auth. Set, every /v1 route needs "Authorization: Bearer <key>". Kept out of repr so
-    # a logged config never shows it.
+    # The gateway's port; 0 = any free port (the bound port is logged).
+    gateway_port: int = 8000
+    # "" = no auth. Set, every /v1 route and /tokenize, /detokenize need "Authorization: Bearer
+    # <key>". Kept out of repr so a logged config never shows it.
     api_key: str = dataclasses.field(default="", repr=False)
+    # The largest HTTP request body the gateway reads (a larger one gets 413).
     gateway_max_body_bytes: int = 1 << 20
     # The gateway refuses to bind a non-loopback host without api_key unless this is set (for a
     # gateway behind a proxy that authenticates).
@@ -316,18 +339,22 @@ class BatonConfig:
         return cls(**values)
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Expose every field as ``--field-name`` (env remains the default source)."""
-        for f in fields(cls):
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None)
+    def add_arguments(
+        cls,
+        parser: argparse.ArgumentParser,
+        aliases: Mapping[str, Sequence[str]] | None = None,
+        exclude: Collection[str] = (),
+    ) -> None:
+        """Expose every field as ``--field-name`` (env remains the default source), its help
+        the field's comment above (shared/config_flags.py); booleans as ``--x`` / ``--no-x``."""
+        config_flags.add_arguments(cls, parser, aliases, exclude)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BatonConfig:
         hints = get_type_hints(cls)
-        overrides = {
-            f.name: _parse(hints[f.name], getattr(args, f.name), f.name)
-            for f in fields(cls)
-            if getattr(args, f.name, None) is not None
+        overrides: dict[str, Any] = {
+            name: value if isinstance(value, bool) else _parse(hints[name], value, name)
+            for name, value in config_flags.given(cls, args).items()
         }
         return cls.from_env(**overrides)
 

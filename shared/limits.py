@@ -64,8 +64,10 @@ class Limits:
 
 @dataclass(frozen=True)
 class StopRule:
-    """Whether a sequence ends with its newest token: EOS (unless ``ignore_eos``) → ``stop``;
-    ``max_tokens`` reached, or the engine's ``max_model_len`` → ``length``."""
+    """Whether a sequence ends with its newest token: EOS (unless ``ignore_eos``) or one of
+    its ``stop_token_ids``, once it has ``min_tokens`` outputs → ``stop``; ``max_tokens``
+    reached, or the engine's ``max_model_len`` → ``length``. The sampler already masks those
+    tokens before ``min_tokens``; the rule says so too, so that it holds on its own."""
 
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -75,7 +77,10 @@ class StopRule:
     ) -> str | None:
         """The finish reason once ``token_id`` became output token number ``num_output_tokens``
         and the sequence holds ``num_tokens`` (prompt and output)."""
-        if token_id in self.eos_token_ids and not sampling.ignore_eos:
+        if num_output_tokens >= sampling.min_tokens and (
+            (token_id in self.eos_token_ids and not sampling.ignore_eos)
+            or token_id in sampling.stop_token_ids
+        ):
             return "stop"
         if num_output_tokens >= sampling.max_tokens or num_tokens >= self.max_model_len:
             return "length"

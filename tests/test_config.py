@@ -112,7 +112,7 @@ def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = argparse.ArgumentParser()
     BatonConfig.add_arguments(parser)
     args = parser.parse_args(
-        ["--block-size", "64", "--enable-prefix-caching", "off", "--prefill-batch-wait-s", "0.5"]
+        ["--block-size", "64", "--no-enable-prefix-caching", "--prefill-batch-wait-s", "0.5"]
     )
     config = BatonConfig.from_args(args)
     assert config.block_size == 64  # the flag wins over the env

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("shared", "services", "kernels", "loadtest", "deploy")
 
 FLOORS: list[set[str]] = [
+    {"shared.config_flags"},  # the config's command-line flags, built from its source
     {"shared.config"},
     # The wire contract and leaf utilities: they know nothing of engines or services.
     {"shared.wire", "shared.native", "shared.observability", "shared.models", "kernels"},
@@ -25,15 +26,12 @@ FLOORS: list[set[str]] = [
     {"shared.scheduling"},  # queues, budgets, policy
     {"shared.engine"},  # the engine core both engine services drive
     {"services.shell"},
-    {
-        "services.tokenizer",
-        "services.prefill",
-        "services.decode",
-        "services.detokenizer",
-        "services.gateway",
-    },
+    {"services.tokenizer", "services.prefill", "services.decode", "services.detokenizer"},
+    # The optional HTTP front: its /tokenize is the tokenizer service's own PromptEncoder.
+    {"services.gateway"},
     {"services.launcher", "services.__main__"},
     {"loadtest"},
+    {"services.cli"},  # `baton serve` (services.__main__) and `baton bench` (loadtest)
     {"deploy"},  # make compose-check: drives the whole stack from outside, as a user would
 ]
 FLOOR_OF = {unit: level for level, units in enumerate(FLOORS) for unit in units}

@@ -51,6 +51,16 @@ def test_stop_rule_eos_first_then_length() -> None:
     assert stop(2, 13, 3, ignoring) == "length"
 
 
+def test_stop_token_ids_end_as_eos_does_but_not_before_min_tokens() -> None:
+    stop = StopRule(EOS, max_model_len=64)
+    params = SamplingParams(max_tokens=8, stop_token_ids=(9, 11), ignore_eos=True)
+    assert stop(9, 11, 1, params) == stop(11, 11, 1, params) == "stop"
+    assert stop(2, 11, 1, params) is None  # ignore_eos leaves the stop ids in force
+    late = SamplingParams(max_tokens=8, stop_token_ids=(9,), min_tokens=3)
+    assert stop(9, 11, 2, late) is None and stop(2, 11, 2, late) is None
+    assert stop(9, 12, 3, late) == stop(2, 12, 3, late) == "stop"
+
+
 def test_stop_rule_ends_at_max_model_len_whatever_max_tokens_asks() -> None:
     """Engines trust the tokenizer's clamp, yet never grow a sequence past their own length."""
     stop = StopRule(EOS, max_model_len=64)

@@ -127,7 +127,10 @@ class DetokenizerCore:
         if rid in self._active or rid in self._finished:
             return  # duplicate registration (redelivered)
         lazy = not info.stream and not info.stop  # its text is only needed at the end
-        req = _Request(info, IncrementalDetokenizer(self._decode, info.stop, lazy=lazy))
+        detok = IncrementalDetokenizer(
+            self._decode, info.stop, lazy=lazy, include_stop=info.include_stop_str_in_output
+        )
+        req = _Request(info, detok)
         resume = self._resume.pop(rid, None)
         if resume is not None and resume[1].next_index > 0:
             req.resume = resume[1]
@@ -238,8 +241,15 @@ class DetokenizerCore:
                 break
             skip = req.next_index - nxt.index  # positions already applied (duplicates)
             new_ids = nxt.token_ids[skip : skip + req.info.max_tokens - req.next_index]
+            # The engine's "stop" is its last token (EOS, a stop_token_ids entry): not in the
+            # text unless the client asked for the stop in the output, as vLLM.
+            hide = (
+                nxt.finish_reason == "stop"
+                and not req.info.include_stop_str_in_output
+                and skip + len(new_ids) == len(nxt.token_ids)
+            )
             if new_ids:
-                self._add_tokens(req, new_ids, now)
+                self._add_tokens(req, new_ids, now, hide)
             if req.detok.stopped:
                 self._finish(req, "stop", now, out)
                 out.aborts.append(req.info.request_id)
@@ -250,14 +260,14 @@ class DetokenizerCore:
             elif req.cancel_at_resume and req.resume is None:
                 self._finish(req, "cancelled", now, out)
 
-    def _add_tokens(self, req: _Request, ids: list[int], now: float) -> None:
+    def _add_tokens(self, req: _Request, ids: list[int], now: float, hide_last: bool) -> None:
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now
         if req.resume is not None:  # replayed: what was streamed before the crash, silently
             quiet = ids[: max(0, req.resume.next_index - req.next_index)]
             if quiet:
-                req.detok.add(quiet)
+                req.detok.add(quiet, hide_last and len(quiet) == len(ids))
                 req.next_index += len(quiet)
             ids = ids[len(quiet) :]
             if req.next_index >= req.resume.next_index:
@@ -269,7 +279,7 @@ class DetokenizerCore:
             req.batch_index = req.next_index
         req.batch_token_ids.extend(ids)
         req.next_index += len(ids)
-        req.detok.add(ids)
+        req.detok.add(ids, hide_last)
 
     def _flush_one(self, req: _Request, out: Output, final: bool = False) -> None:
         offset = req.detok.num_streamed_chars

@@ -1,11 +1,14 @@
-"""OpenAI request bodies → the arguments of one Baton request (``BatonClient.stream_timed``).
+"""OpenAI (and vLLM) request bodies → the arguments of one Baton request
+(``BatonClient.stream_timed``).
 
 Division of labour: this module checks what only the OpenAI dialect has (``n``, ``logprobs``,
 ``echo``, batched prompts, content parts, ``stream_options``) and the *types* of the fields it
 renames or needs itself, so a mistake names the field the client actually sent. Ranges and
-limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], stop-string counts, prompt length,
-token ids inside the vocabulary) are left to the tokenizer service, the one authority on them;
-its ``invalid_request`` replies come back as 400s all the same.
+limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], penalties' ranges, stop-string counts,
+prompt length, token ids inside the vocabulary) are left to the tokenizer service, the one
+authority on them; its ``invalid_request`` replies come back as 400s all the same. A field
+Baton does not implement is refused with a 400 naming it unless the client left it at its
+default (request_fields.py lists them; docs/gateway.md has the whole table).
 
 Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0 (or the
 model's ``generation_config.json`` values for ``temperature`` / ``top_p`` / ``top_k``, as in vLLM:
@@ -16,11 +19,11 @@ tokenizer clamps it to what fits after the prompt); a completion's default stays
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import ApiError, invalid
+from services.gateway.request_fields import CHAT_OFF, COMPLETION_OFF, SAMPLING_FIELDS
 from services.gateway.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from shared.config import BatonConfig
 from shared.limits import Limits
@@ -82,7 +85,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
             "prompt",
         )
     if isinstance(prompt, str):
-        return {"prompt": _text(prompt, "prompt")}
+        return {"prompt": text_of(prompt, "prompt")}
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return {"prompt_token_ids": prompt}
     raise invalid("prompt must be a string or a list of token ids", "prompt")
@@ -96,7 +99,7 @@ def parse_chat(
 ) -> BatonRequest:
     body = _object(body)
     _refuse_unsupported(body, chat=True)
-    baton: dict[str, Any] = {"messages": _messages(body.get("messages"))}
+    baton: dict[str, Any] = {"messages": messages_of(body.get("messages"))}
     # max_completion_tokens is OpenAI's current name; max_tokens its deprecated alias.
     max_tokens = _opt(body, "max_completion_tokens", int)
     if max_tokens is None:
@@ -114,13 +117,7 @@ def _finish(
     defaults: SamplingDefaults,
     chat: bool,
 ) -> BatonRequest:
-    model = body.get("model")
-    served = served_model_id(config)
-    if model is not None and model != served:
-        raise ApiError(
-            404, f"the model {_short(model)} does not exist; this server serves {served!r}",
-            "invalid_request_error", "model_not_found", "model",
-        )  # fmt: skip
+    served = check_model(body, config)
     stream = bool(_opt(body, "stream", bool))
     options = body.get("stream_options")
     if options is not None and not stream:
@@ -128,20 +125,24 @@ def _finish(
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object", "stream_options")
     include_usage = bool(_opt(options or {}, "include_usage", bool))
+    if _opt(options or {}, "continuous_usage_stats", bool):
+        raise invalid("stream_options.continuous_usage_stats is not supported by this server",
+                      "stream_options")  # fmt: skip
 
     baton.update(defaults.fields())
-    for name, kind in (
-        ("temperature", float), ("top_p", float), ("seed", int), ("timeout_s", float),
-        ("top_k", int),
-    ):  # fmt: skip
+    for name, kind in SAMPLING_FIELDS:
         value = _opt(body, name, kind)
         if value is not None:
             baton[name] = value
     if baton.get("top_k") == -1:  # vLLM's spelling of "off"; Baton's is 0
         baton["top_k"] = 0
-    if _opt(body, "ignore_eos", bool):
-        baton["ignore_eos"] = True
+    for flag in ("ignore_eos", "include_stop_str_in_output"):
+        if _opt(body, flag, bool):
+            baton[flag] = True
     baton["stop"] = _stop(body.get("stop"))
+    stop_token_ids = token_ids_of(body.get("stop_token_ids"), "stop_token_ids")
+    if stop_token_ids:
+        baton["stop_token_ids"] = stop_token_ids
     priority = _opt(body, "priority", int)
     if priority is not None:
         # Checked here, not only by the tokenizer: it also becomes the AMQP message priority.
@@ -150,6 +151,18 @@ def _finish(
         except ProtocolError as exc:
             raise invalid(exc.message, "priority") from None
     return BatonRequest(chat, served, stream, include_usage, baton)
+
+
+def check_model(body: dict[str, Any], config: BatonConfig) -> str:
+    """The served model id; a body naming another model is a 404, as OpenAI's."""
+    model = body.get("model")
+    served = served_model_id(config)
+    if model is not None and model != served:
+        raise ApiError(
+            404, f"the model {_short(model)} does not exist; this server serves {served!r}",
+            "invalid_request_error", "model_not_found", "model",
+        )  # fmt: skip
+    return served
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -164,7 +177,7 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise invalid(f"best_of is not supported (got {best_of!r}); leave it unset or 1", "best_of")
-    for name, is_default in _OFF.items():
+    for name, is_default in (CHAT_OFF if chat else COMPLETION_OFF).items():
         value = body.get(name)
         if value is not None and not is_default(value):
             raise invalid(f"{name} is not supported by this server (got {_short(value)})", name)
@@ -176,7 +189,7 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise invalid("tool_choice is not supported by this server", "tool_choice")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def messages_of(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
@@ -201,17 +214,26 @@ def _messages(value: Any) -> list[dict[str, str]]:
         elif not isinstance(content, str):
             raise invalid(f"messages[{i}].content must be a string or a list of parts",
                           "messages")  # fmt: skip
-        out.append({"role": _text(m["role"], "messages"), "content": _text(content, "messages")})
+        role = text_of(m["role"], "messages")
+        out.append({"role": role, "content": text_of(content, "messages")})
     return out
+
+
+def token_ids_of(value: Any, param: str) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list) and all(_is_int(t) for t in value):
+        return value
+    raise invalid(f"{param} must be a list of integers", param)
 
 
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [_text(value, "stop")]
+        return [text_of(value, "stop")]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [_text(s, "stop") for s in value]
+        return [text_of(s, "stop") for s in value]
     raise invalid("stop must be a string or a list of strings", "stop")
 
 
@@ -226,7 +248,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and _INT_MIN <= value <= _INT_MAX
 
 
-def _text(value: str, param: str) -> str:
+def text_of(value: str, param: str) -> str:
     """JSON admits lone surrogates ("\\ud800"), which no UTF-8 encoder (msgpack's) takes."""
     if not value.isascii():
         try:
@@ -261,22 +283,3 @@ _NAMES = {bool: "a boolean", int: "an integer", float: "a number"}
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-
-
-# Features Baton does not have, each with the test for "the client left it off" (null is off).
-# completions' logprobs=0 still asks for the sampled token's logprob, so only false is off.
-_OFF: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is False,
-    "top_logprobs": _is_zero,
-    "echo": lambda v: v is False,
-    "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
-    "presence_penalty": _is_zero,
-    "frequency_penalty": _is_zero,
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-}

@@ -1,14 +1,16 @@
 """The Starlette application: routes, bearer auth, body limit, error JSON, HTTP metrics.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (behind the
-API key when one is set), and ``GET /health``, ``GET /metrics`` (never behind it: probes and
-scrapers carry no key; neither reveals a prompt). Every error, including a 404 or 405 from the
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, and vLLM's
+``POST /tokenize``, ``POST /detokenize`` (behind the API key when one is set: they spend the
+server's CPU), and ``GET /health``, ``GET /metrics``, ``GET /version`` (never behind it: probes
+and scrapers carry no key; none reveals a prompt). Every error, including a 404 or 405 from the
 router, is OpenAI's error JSON.
 """
 
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import json
 import time
 import uuid
@@ -27,6 +29,7 @@ from services.gateway.errors import ApiError, internal, invalid
 from services.gateway.exchange import SCOPE_STATUS, SCOPE_T0, Exchange, send_error
 from services.gateway.metrics import GatewayMetrics, route_label
 from services.gateway.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
+from services.gateway.tokenization import Tokenization
 from shared.client import BatonClient
 from shared.config import BatonConfig
 from shared.limits import Limits
@@ -48,6 +51,9 @@ def create_app(
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/tokenize", api.tokenize, methods=["POST"]),
+            Route("/detokenize", api.detokenize, methods=["POST"]),
+            Route("/version", api.version, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
         ],
@@ -77,6 +83,7 @@ class _Api:
         self.model = served_model_id(config)
         self.created = int(time.time())
         self._key = config.api_key.encode()
+        self.tokenization = Tokenization(config, limits, model_dir=None)
 
     async def completions(self, request: Request) -> Exchange:
         self._authorize(request)
@@ -99,6 +106,23 @@ class _Api:
             "max_model_len": self.limits.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        return JSONResponse(await self.tokenization.tokenize(body))
+
+    async def detokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        return JSONResponse(await self.tokenization.detokenize(body))
+
+    async def version(self, _request: Request) -> Response:
+        return JSONResponse({"version": baton_version()})
 
     async def health(self, _request: Request) -> Response:
         # Liveness, like every service's /health: the process serves HTTP. A broker outage
@@ -139,6 +163,15 @@ class _Api:
             raise invalid(
                 f"the request body is not valid JSON: {exc}", code="invalid_json"
             ) from None
+
+
+def baton_version() -> str:
+    """The installed distribution's version (pyproject.toml), as vLLM's ``/version`` answers
+    with its own."""
+    try:
+        return importlib.metadata.version("baton")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "0+unknown"
 
 
 def _too_large(size: int, limit: int) -> ApiError:

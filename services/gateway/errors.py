@@ -25,7 +25,9 @@ UNAVAILABLE_RETRY_AFTER_S = 5
 # ..."): the error's ``param`` is filled in when a message names one of them.
 _PARAMS = frozenset(
     ("prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k",
-     "seed", "stop", "ignore_eos", "priority", "timeout_s")
+     "seed", "stop", "ignore_eos", "priority", "timeout_s", "min_p", "repetition_penalty",
+     "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids",
+     "include_stop_str_in_output")
 )  # fmt: skip
 
 

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from shared.observability.metrics import REQUEST_LATENCY_BUCKETS, Metrics
 
-ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"))
+ROUTES = frozenset(
+    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+     "/version", "/health", "/metrics")
+)  # fmt: skip
 # 50 µs to 100 ms: the gateway's share is meant to sit well under 2 ms.
 OVERHEAD_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005,

@@ -144,6 +144,7 @@ class TokenizerService:
             batch_replies=req.batch_replies,
             owner=message.user_id,
             priority=req.priority,
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
         work = PrefillMsg(
             request_id=req.request_id,

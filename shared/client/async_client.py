@@ -119,6 +119,13 @@ class RequestOptions(TypedDict, total=False):
     seed: int | None
     stop: Sequence[str] | None
     ignore_eos: bool
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    stop_token_ids: Sequence[int] | None
+    include_stop_str_in_output: bool
     priority: int | None
     timeout_s: float | None
     request_id: str | None
@@ -294,6 +301,13 @@ class BatonClient:
         seed: int | None = None,
         stop: Sequence[str] | None = None,
         ignore_eos: bool = False,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        include_stop_str_in_output: bool = False,
         priority: int | None = None,
         timeout_s: float | None = None,
         request_id: str | None = None,
@@ -301,6 +315,7 @@ class BatonClient:
         wait_s: float | None = None,
     ) -> AsyncGenerator[TimedReply, None]:
         """Token replies, then exactly one terminal (done/error) reply, each with its timing.
+        The sampling arguments are the contract's request fields (docs/contract.md).
 
         Raises ``asyncio.TimeoutError`` if the terminal reply has not arrived within ``wait_s``."""
         chat = None if messages is None else tuple((m["role"], m["content"]) for m in messages)
@@ -313,6 +328,12 @@ class BatonClient:
                 top_k=top_k,
                 seed=seed,
                 ignore_eos=ignore_eos,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                min_tokens=min_tokens,
+                stop_token_ids=tuple(stop_token_ids or ()),
             ),
             prompt=prompt,
             messages=chat,
@@ -324,6 +345,7 @@ class BatonClient:
             # The reply queue is this client's alone: several requests' replies may come in one
             # message (fewer broker messages when many requests stream at once).
             batch_replies=True,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         pending = await self._send(msg.encode(), msg.request_id, True, priority)
         async with aclosing(self._replies(msg.request_id, pending, wait_s)) as replies:

@@ -28,10 +28,13 @@ def configure_logging(level: str = "info", fmt: str = "auto", service: str | Non
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
         processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    # getLevelName maps a level's name to its number (getLevelNamesMapping is 3.11+); an
+    # unknown name comes back as a string.
+    number = logging.getLevelName(level.upper())
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+            number if isinstance(number, int) else logging.INFO
         ),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

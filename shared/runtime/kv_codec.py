@@ -80,13 +80,13 @@ class Int8KV:
         return head_dim + SCALE_BYTES
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels.int8_kv import quantize_kv_ref
+        from kernels.int8_ref import quantize_kv_ref
 
         values, scale = quantize_kv_ref(x)
         return torch.cat((values, scale[..., None].view(torch.int8)), dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        from kernels.int8_kv import dequantize_kv_ref
+        from kernels.int8_ref import dequantize_kv_ref
 
         return dequantize_kv_ref(*self.split(rows), dtype)
 

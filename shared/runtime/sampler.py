@@ -1,10 +1,15 @@
 """Token selection: greedy rows in one argmax, sampled rows reproducibly per (seed, position).
 
-Sampled rows go through temperature, top-k and top-p (mask; the draw then renormalises over the
-survivors), then inverse-CDF sampling over the survivors in vocabulary order, with a uniform
-``u`` derived from ``(seed, position)`` alone. So the same request at the same position with the
-same logits always draws the same token, in any batch, any process, after a crash or a
-recompute; a row needs no random-generator state, only one hashed 64-bit number.
+Rows with penalties, or with ``min_tokens`` not reached yet, first have their logits reshaped
+(logits_processors.py, vLLM's order; greedy rows too, so prefill's first token and decode's
+tokens see the same rules). Rows with none of that cost nothing more than before.
+
+Sampled rows go through temperature, min-p, top-k and top-p (masks; the draw then
+renormalises over the survivors), then inverse-CDF sampling over the survivors in vocabulary
+order, with a uniform ``u`` derived from ``(seed, position)`` alone. So the same request at the
+same position with the same logits always draws the same token, in any batch, any process,
+after a crash or a recompute; a row needs no random-generator state, only one hashed 64-bit
+number.
 
 No full-vocabulary sort unless it is needed: top-k rows work on their ``k`` best candidates;
 top-p rows first look for the nucleus among the best ``NUCLEUS_GUESS`` tokens and sort the whole
@@ -14,10 +19,11 @@ path a row takes depends on its own parameters and logits, never on its batch ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from shared.runtime.logits_processors import History, apply_min_p, apply_min_tokens, penalize
 from shared.runtime.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -69,16 +75,29 @@ def apply_top_k_top_p(
 
 
 class Sampler:
-    def __init__(self, argmax: Callable[[torch.Tensor], list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        argmax: Callable[[torch.Tensor], list[int]] | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
         """``argmax``: the greedy rows' answer for ``logits [N, V]`` (the C kernel of
-        cpu_argmax.py on CPU); default torch's ``max().indices``."""
+        cpu_argmax.py on CPU); default torch's ``max().indices``. ``eos_token_ids``: the model's,
+        masked with a row's stop_token_ids until it has ``min_tokens`` outputs."""
         self._argmax = argmax or torch_argmax
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(
-        self, logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        sampling: list[SamplingParams],
+        positions: list[int],
+        histories: Sequence[History] | None = None,
     ) -> list[int]:
         """``logits [N, V]`` (fp32) -> one token per row; ``positions[i]`` is where row i's token
-        will sit in its sequence (its ``num_tokens`` before appending)."""
+        will sit in its sequence (its ``num_tokens`` before appending); ``histories[i]``, its
+        sequence: needed only by rows with penalties or ``min_tokens``."""
+        if any(p.processes_logits for p in sampling):
+            logits = self._process(logits, sampling, histories)
         tokens = self._argmax(logits)
         vocab = logits.shape[-1]
         top_k_rows: list[int] = []
@@ -103,9 +122,51 @@ class Sampler:
             params = [sampling[i] for i in rows]
             u = [uniform(p.seed or 0, positions[i]) for p, i in zip(params, rows, strict=True)]
             x = logits[rows].float() / _column([p.temperature for p in params], logits.device)
+            min_p = [p.min_p for p in params]
+            if any(min_p):
+                x = apply_min_p(x, torch.tensor(min_p, device=x.device))
             for i, token in zip(rows, draw(x, params, u), strict=True):
                 tokens[i] = token
         return tokens
+
+    def _process(
+        self,
+        logits: torch.Tensor,
+        sampling: list[SamplingParams],
+        histories: Sequence[History] | None,
+    ) -> torch.Tensor:
+        """A copy of ``logits`` with each row's ``min_tokens`` mask and penalties applied."""
+        if histories is None or len(histories) != len(sampling):
+            raise ValueError("penalties and min_tokens need every row's sequence (histories)")
+        banned: list[tuple[int, ...]] = []
+        ban_rows: list[int] = []
+        penalized: list[int] = []
+        for i, p in enumerate(sampling):
+            h = histories[i]
+            if p.min_tokens and len(h.token_ids) - h.num_prompt_tokens < p.min_tokens:
+                ids = p.stop_token_ids if p.ignore_eos else self.eos_token_ids + p.stop_token_ids
+                if ids:
+                    ban_rows.append(i)
+                    banned.append(ids)
+            if p.penalized:
+                penalized.append(i)
+        if not ban_rows and not penalized:
+            return logits
+        logits = logits.clone()
+        if ban_rows:
+            idx = torch.tensor(ban_rows, device=logits.device)
+            logits[idx] = apply_min_tokens(logits[idx], banned)
+        if penalized:
+            idx = torch.tensor(penalized, device=logits.device)
+            params = [sampling[i] for i in penalized]
+            logits[idx] = penalize(
+                logits[idx],
+                [histories[i] for i in penalized],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            )
+        return logits
 
 
 def torch_argmax(logits: torch.Tensor) -> list[int]:

@@ -38,13 +38,24 @@ _SCALARS = frozenset({int, str, float, bool, bytes, type(None)})
 
 
 def _plain(value: Any) -> Any:
-    kind = type(value)
+    kind: Any = type(value)
     if kind in _SCALARS:
         return value
     if kind is list:  # lists of messages are homogeneous here
-        is_msgs = value and hasattr(type(value[0]), "__dataclass_fields__")
-        return [to_map(v) for v in value] if is_msgs else value
-    return to_map(value) if hasattr(kind, "__dataclass_fields__") else value
+        item: Any = type(value[0]) if value else None
+        if not hasattr(item, "__dataclass_fields__"):
+            return value
+        return [v.to_dict() for v in value] if _has_own_map(item) else [to_map(v) for v in value]
+    if not hasattr(kind, "__dataclass_fields__"):
+        return value
+    return value.to_dict() if _has_own_map(kind) else to_map(value)
+
+
+@cache
+def _has_own_map(cls: Any) -> bool:
+    """A type with its own wire map: SamplingParams and StartInfo leave out the contract's
+    additions at their defaults, so their messages read alike to an older consumer."""
+    return callable(getattr(cls, "to_dict", None))
 
 
 def unpack(body: bytes, max_bytes: int) -> Any:

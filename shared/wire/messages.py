@@ -60,6 +60,9 @@ __all__ = [
 # 4: DetokMsg.marks (the detokenizer's stream high-water marks), StartInfo.owner and .priority;
 #    KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
 #    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
+# Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids) and
+# StartInfo.include_stop_str_in_output have defaults and are left out of a message at them, so
+# messages of requests that use none read alike on either side of an upgrade.
 SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
 
@@ -88,6 +91,8 @@ class RequestMsg:
     # An addition to the contract: this client's reply queue accepts batch messages (several
     # requests' replies in one, shared/wire/replies.py). Old servers ignore it.
     batch_replies: bool = False
+    # An addition: a stop string (or the stop token's text) stays at the end of the text.
+    include_stop_str_in_output: bool = False
 
     def encode(self) -> bytes:
         """Client side: the contract's request map."""
@@ -98,14 +103,9 @@ class RequestMsg:
             body["messages"] = [{"role": r, "content": c} for r, c in self.messages]
         if self.prompt_token_ids is not None:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
-        s = self.sampling
+        # The sampling fields; the contract's additions only where a request sets them.
+        body.update(self.sampling.to_dict())
         body.update(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            ignore_eos=s.ignore_eos,
             stop=list(self.stop),
             stream=self.stream,
             priority=self.priority,
@@ -113,6 +113,8 @@ class RequestMsg:
         )
         if self.batch_replies:
             body["batch_replies"] = True
+        if self.include_stop_str_in_output:
+            body["include_stop_str_in_output"] = True
         return pack(body)
 
 
@@ -252,6 +254,20 @@ class StartInfo:
     # None if it set none: a cancel is honoured only from the same (services/shell/control_auth.py).
     owner: str | None = None
     priority: int = 0  # the client's (goodput is counted per priority)
+    # The stop string, or the text of the token that stopped it, stays in the text. Left out of
+    # the message when false (to_dict), as the sampling additions are.
+    include_stop_str_in_output: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in _START_FIELDS}
+        if self.include_stop_str_in_output:
+            d["include_stop_str_in_output"] = True
+        return d
+
+
+_START_FIELDS = tuple(
+    name for name in StartInfo.__dataclass_fields__ if name != "include_stop_str_in_output"
+)
 
 
 @dataclass

@@ -21,6 +21,9 @@ _MAX_SEED = (1 << 63) - 1
 _MAX_TEMPERATURE = 100.0
 _MAX_TIMEOUT_S = 24 * 3600.0
 _MAX_REQUEST_ID_BYTES = 255  # an AMQP short string
+MAX_STOP_TOKEN_IDS = 128
+_MAX_REPETITION_PENALTY = 10.0
+_MAX_ABS_PENALTY = 2.0  # presence / frequency: OpenAI's range
 
 
 def _bad(message: str) -> ProtocolError:
@@ -99,13 +102,23 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
     else:
         token_ids = _parse_token_ids(d["prompt_token_ids"], config)
 
+    max_tokens = _int(d, "max_tokens", DEFAULT_MAX_TOKENS, 1, config.max_tokens_limit)
     sampling = SamplingParams(
-        max_tokens=_int(d, "max_tokens", DEFAULT_MAX_TOKENS, 1, config.max_tokens_limit),
+        max_tokens=max_tokens,
         temperature=_float(d, "temperature", 0.0, 0.0, _MAX_TEMPERATURE),
         top_p=_float(d, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_int(d, "top_k", 0, 0, 1 << 20),
         seed=None if d.get("seed") is None else _int(d, "seed", 0, 0, _MAX_SEED),
         ignore_eos=_bool(d, "ignore_eos", False),
+        min_p=_float(d, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_float(
+            d, "repetition_penalty", 1.0, 0.0, _MAX_REPETITION_PENALTY, lo_open=True
+        ),
+        presence_penalty=_float(d, "presence_penalty", 0.0, -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY),
+        frequency_penalty=_float(d, "frequency_penalty", 0.0, -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY),
+        # As vLLM: more than max_tokens could never be met.
+        min_tokens=_int(d, "min_tokens", 0, 0, max_tokens),
+        stop_token_ids=_parse_stop_token_ids(d.get("stop_token_ids")),
     )
     timeout_s = d.get("timeout_s")
     if timeout_s is not None:
@@ -121,6 +134,7 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
         priority=check_priority(_integer(d, "priority", 0)),
         timeout_s=timeout_s,
         batch_replies=_bool(d, "batch_replies", False),
+        include_stop_str_in_output=_bool(d, "include_stop_str_in_output", False),
     )
 
 
@@ -182,3 +196,16 @@ def _parse_stop(v: Any, config: BatonConfig) -> tuple[str, ...]:
         if len(s) > config.max_stop_chars:
             raise _bad(f"a stop string is longer than {config.max_stop_chars} characters")
     return tuple(v)
+
+
+def _parse_stop_token_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise _bad("stop_token_ids must be a list of integers")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"stop_token_ids has {len(v)} ids, the limit is {MAX_STOP_TOKEN_IDS}")
+    if not all(type(t) is int and t >= 0 for t in v):
+        raise _bad("stop_token_ids must contain only non-negative integers")
+    # The vocabulary bound is checked by the tokenizer service, as for prompt_token_ids.
+    return tuple(dict.fromkeys(v))

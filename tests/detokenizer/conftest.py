@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,14 @@ def encode() -> Callable[[str], list[int]]:
 @pytest.fixture
 def h(decode: Decode) -> Harness:
     return Harness(decode)
+
+
+@pytest.fixture(scope="module")
+def eos() -> int:
+    """An EOS id of the tiny model: what an engine's ``stop`` event ends with."""
+    config = json.loads((resolve_model_dir(BatonConfig.from_env()) / "config.json").read_text())
+    eos = config["eos_token_id"]
+    return int(eos[0] if isinstance(eos, list) else eos)
 
 
 @pytest.fixture

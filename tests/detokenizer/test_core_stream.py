@@ -18,9 +18,12 @@ from tests.detokenizer.helpers import (
 )
 
 
-def test_in_order_stream_one_reply_per_flush(h: Harness, ids: list[int], decode: Decode) -> None:
+def test_in_order_stream_one_reply_per_flush(
+    h: Harness, ids: list[int], decode: Decode, eos: int
+) -> None:
     h.step(T0, starts=[info("a", max_tokens=100)])
     assert h.replies == [] and h.core.num_active == 1
+    text_ids, ids = ids, [*ids, eos]  # the engine's "stop" comes with its EOS token
     for i, t in enumerate(ids):
         finish = "stop" if i == len(ids) - 1 else None
         out = h.step(T0 + 1 + i, events=[ev("a", i, [t], finish)])
@@ -28,7 +31,7 @@ def test_in_order_stream_one_reply_per_flush(h: Harness, ids: list[int], decode:
         assert len(toks) <= 1 and all(r.index == i and r.token_ids == [t] for r in toks)
         assert all(q == "q-a" for q, _ in out.replies)
     done = h.done("a")
-    assert done.finish_reason == "stop" and done.text == MULTIBYTE == decode(ids)
+    assert done.finish_reason == "stop" and done.text == MULTIBYTE == decode(text_ids)
     assert done.token_ids == ids
     assert done.usage == {"prompt_tokens": 5, "completion_tokens": len(ids)}
     assert h.streamed_text("a") == MULTIBYTE
@@ -56,9 +59,10 @@ def test_one_reply_per_request_per_flush_with_many_requests(h: Harness, ids: lis
 
 
 def test_out_of_order_events_applied_in_position_order(
-    h: Harness, ids: list[int], decode: Decode
+    h: Harness, ids: list[int], decode: Decode, eos: int
 ) -> None:
     h.step(T0, starts=[info("a", max_tokens=100)])
+    ids = [*ids, eos]  # the engine's "stop" comes with its EOS token
     events = [ev("a", i, ids[i : i + 3]) for i in range(0, len(ids), 3)]
     events[-1] = ev("a", events[-1].index, events[-1].token_ids, "stop")
     order = list(range(len(events)))

@@ -81,10 +81,12 @@ class Wire:
         return [r for r in self.replies if isinstance(r, TokenReply) and r.request_id == rid]
 
     async def wait(self, predicate: Any, timeout_s: float = 20.0) -> None:
-        async with asyncio.timeout(timeout_s):
+        async def until() -> None:
             while not predicate():
                 self.changed.clear()
                 await self.changed.wait()
+
+        await asyncio.wait_for(until(), timeout_s)  # asyncio.timeout is 3.11+
 
 
 @pytest.fixture
@@ -97,7 +99,8 @@ async def wire(url: str) -> AsyncIterator[Wire]:
 
 async def consuming(url: str, queue: str, timeout_s: float = 60.0) -> None:
     conn = await aio_pika.connect(url)
-    async with conn, asyncio.timeout(timeout_s):
+
+    async def until() -> None:
         while True:
             channel = await conn.channel()  # a passive declare of a missing queue closes it
             with contextlib.suppress(aio_pika.exceptions.ChannelNotFoundEntity):
@@ -105,6 +108,9 @@ async def consuming(url: str, queue: str, timeout_s: float = 60.0) -> None:
                 if declared.declaration_result.consumer_count:
                     return
             await asyncio.sleep(0.2)
+
+    async with conn:
+        await asyncio.wait_for(until(), timeout_s)  # asyncio.timeout is 3.11+
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -79,7 +79,8 @@ def test_prompt_forms(prompt: object, key: str, value: object) -> None:
         ({"prompt": "x", "logprobs": 0}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "suffix": "tail"}, "suffix"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": "0.5"}, "presence_penalty"),  # honoured: typed
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ({"prompt": "x", "temperature": True}, "temperature"),
         ({"prompt": "x", "stop": ["a", 1]}, "stop"),
