@@ -5,10 +5,12 @@ projection shapes, per weight type and row count, one thread and all of them:
     python -m loadtest.quant_linear_bench --types q4_1 --rows 1 16 --shapes 960x576
 
 Per (type, N x K, M): microseconds per call of the fp32 kernel (``f32``: each weight block
-dequantized in registers, x kept fp32), of the int8 kernel (``int8``), of dequantize + SGEMM
-(``deq+gemm``: the path above ``small_max_rows``, into the reused scratch) and of ``F.linear``
-on the already dequantized fp32 weight (``fp32``: what an unquantized model pays); the kernels'
-GFLOP/s (2 M N K per call) and the f32 kernel's packed-weight bytes read per second. Each figure
+dequantized in registers, x kept fp32), of the int8 kernel on the row layout (``int8``) and on
+tiles of 16 rows (``tiles``: the decode engine's form where the build has it, csrc/quant_tiles.c;
+``-`` elsewhere), of dequantize + SGEMM (``deq+gemm``: the path above ``small_max_rows``, into
+the reused scratch) and of ``F.linear`` on the already dequantized fp32 weight (``fp32``: what
+an unquantized model pays); the kernels' GFLOP/s (2 M N K per call) and the f32 kernel's
+packed-weight bytes read per second. Each figure
 is the median of repeated calls after a warm-up (the best of ``--rounds`` such medians); the
 weights are random (the kernels' speed does not depend on the values). About 25 s a round.
 """
@@ -73,12 +75,12 @@ def bench(
     kernels = load_quant_kernels()
     if kernels is None:
         raise SystemExit("no C compiler: the kernels cannot be built")
-    print(f"{cpu_model()}, kernel builds {kernels.f32_isa} / {kernels.isa}, torch "
-          f"{torch.__version__}, F32_MAX_ROWS {F32_MAX_ROWS}, "
+    print(f"{cpu_model()}, kernel builds {kernels.f32_isa} / {kernels.isa} / tiles "
+          f"{kernels.tiles_isa}, torch {torch.__version__}, F32_MAX_ROWS {F32_MAX_ROWS}, "
           f"INT8_MAX_ROWS {INT8_MAX_ROWS}")  # fmt: skip
     print(f"{'type':5} {'N x K':>11} {'M':>3} {'thr':>3} | {'f32 us':>9} {'GB/s':>6} "
-          f"{'GFLOP/s':>7} | {'int8 us':>9} {'GFLOP/s':>7} | {'deq+gemm':>9} | "
-          f"{'fp32 us':>9}")  # fmt: skip
+          f"{'GFLOP/s':>7} | {'int8 us':>9} {'GFLOP/s':>7} | {'tiles us':>9} {'GFLOP/s':>7} | "
+          f"{'deq+gemm':>9} | {'fp32 us':>9}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     try:
@@ -88,25 +90,32 @@ def bench(
                 raw = quantize(torch.randn(n, k, generator=g), qtype)
                 weight = QuantWeight(raw, qtype, k, kernels)
                 dense = weight.dequantize()
+                tiles = kernels.pack_tiles(raw, qtype, k) if kernels.tile_rows else None
                 for m in rows:
                     x = torch.randn(m, k, generator=g)
                     for t in threads:
                         torch.set_num_threads(t)
-                        calls = (
+                        calls: list[Callable[[], object] | None] = [
                             partial(kernels.linear_f32, raw, qtype, k, x, None),
                             partial(kernels.linear, raw, qtype, k, x, None),
+                            None
+                            if tiles is None
+                            else partial(kernels.linear_tiles, tiles, qtype, n, k, x, None),
                             partial(weight.linear_dequantized, x),
                             partial(F.linear, x, dense),
-                        )
+                        ]
                         best = [float("inf")] * len(calls)
                         for _ in range(rounds):  # the calls interleaved, each its best round
                             for i, call in enumerate(calls):
-                                best[i] = min(best[i], per_call_us(call, budget_s))
-                        f32, int8, deq, fp32 = best
+                                if call is not None:
+                                    best[i] = min(best[i], per_call_us(call, budget_s))
+                        f32, int8, tiled, deq, fp32 = best
                         flop = 2 * m * n * k / 1e3
+                        tiled_col = (f"{tiled:9.1f} {flop / tiled:7.1f}" if tiles is not None
+                                     else f"{'-':>9} {'-':>7}")  # fmt: skip
                         print(f"{name.upper():5} {f'{n}x{k}':>11} {m:>3} {t:>3} | "
                               f"{f32:9.1f} {weight.nbytes / f32 / 1e3:6.1f} {flop / f32:7.1f} | "
-                              f"{int8:9.1f} {flop / int8:7.1f} | {deq:9.1f} | "
+                              f"{int8:9.1f} {flop / int8:7.1f} | {tiled_col} | {deq:9.1f} | "
                               f"{fp32:9.1f}")  # fmt: skip
     finally:
         torch.set_num_threads(before)

@@ -3,9 +3,10 @@ or a bf16 cache.
 
 Why a C kernel: on CPU a decode step at batch 64 spent ~45% of its time in attention (bench
 model, one thread: index_select of K rows, the scores bmm, embedding_bag over V), all of it
-moving 128-byte rows. The kernel reads each sequence's K and V blocks in place, once, and leaves
-the softmax between its two passes to torch. Same numbers as the torch path up to float
-summation order (tests/runtime/test_cpu_attention.py sweeps shapes against it). Over a bf16
+moving 128-byte rows. The kernel reads each sequence's K and V blocks in place, once, with the
+softmax between its two passes, in one call: a row's scores stay in its thread's cache. Same
+numbers as the torch path up to float summation order and the exp's last bits
+(tests/runtime/test_cpu_attention.py sweeps shapes against it). Over a bf16
 cache it computes in fp32 (q widened, the output rounded to bf16 once), as SDPA's CPU kernel
 does in bf16; torch's bf16 path rounded scores and probabilities to bf16 on the way.
 
@@ -30,7 +31,9 @@ import torch
 from shared.native.build import CSRC, load_library, split_parts, usable_cpus
 
 SOURCE = CSRC / "paged_decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# Contraction on: the dot products' and sums' multiply-adds as FMAs (the results stay within
+# the tests' fp32 tolerances of the fp64 reference).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # Rows of the batch per thread below which splitting costs more than it saves.
 MIN_ROWS_PER_THREAD = 8
 
@@ -38,20 +41,16 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class DecodeKernel:
-    """The loaded library: two passes, each splitting the batch on threads of its own (see the
-    C file)."""
+    """The loaded library: one call a layer, splitting the batch on threads (see the C file)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
         self.path = path
-        self._scores, self._values = {}, {}  # the cache's dtype -> its pass
+        self._attend = {}  # the cache's dtype -> its entry point
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            scores = getattr(lib, f"baton_paged_decode_scores_{suffix}")
-            scores.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I]
-            scores.restype = None
-            values = getattr(lib, f"baton_paged_decode_values_{suffix}")
-            values.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P]
-            values.restype = None
-            self._scores[dtype], self._values[dtype] = scores, values
+            attend = getattr(lib, f"baton_paged_decode_attend_{suffix}")
+            attend.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P]
+            attend.restype = None
+            self._attend[dtype] = attend
         self.max_threads = max(1, max_threads)
 
     def attend(
@@ -59,10 +58,10 @@ class DecodeKernel:
     ) -> torch.Tensor:
         """q ``[B, Hq, D]`` -> ``[B, Hq, D]`` in q's dtype; ``kv_layer`` ``[2, blocks, bs, Hkv,
         D]``; row b attends to positions ``rows.starts[b] .. rows.context_lens[b] - 1``. q and the
-        cache: fp32 or bf16 each."""
+        cache: fp32 or bf16 each; q's rows may be strided (views of a fused projection)."""
         batch, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, pool_dim = kv_layer.shape
-        if q.dtype not in self._scores or kv_layer.dtype not in self._scores:
+        if q.dtype not in self._attend or kv_layer.dtype not in self._attend:
             raise ValueError(f"fp32 or bf16 only (q {q.dtype}, cache {kv_layer.dtype})")
         if q.device.type != "cpu" or not kv_layer.is_contiguous():
             raise ValueError("a contiguous CPU cache is required")
@@ -70,24 +69,18 @@ class DecodeKernel:
             raise ValueError(f"q {tuple(q.shape)} does not match the pool {tuple(kv_layer.shape)}")
         if batch != rows.context_lens.shape[0] or block_size != rows.block_size:
             raise ValueError("one block table and one context length per query row, same blocks")
-        max_context_len = rows.max_context_len
         out_dtype = q.dtype
-        q = q.to(torch.float32).contiguous()
-        scores = torch.empty(batch, num_heads, max_context_len)
-        out = torch.empty_like(q)
-        tables, lens = rows.block_tables.data_ptr(), rows.context_lens.data_ptr()
+        q = q.to(torch.float32)
+        if q.stride()[1:] != (head_dim, 1):
+            q = q.contiguous()
+        out = torch.empty(batch, num_heads, head_dim)
         starts = None if rows.starts is None else rows.starts.data_ptr()
-        width = rows.block_tables.shape[1]
-        parts = self.parts(batch)
-        dims = (num_heads, num_kv_heads, head_dim, block_size)
-        pool_dtype = kv_layer.dtype
-        self._scores[pool_dtype](q.data_ptr(), kv_layer[0].data_ptr(), tables, width, lens,
-                                 starts, batch, parts, *dims, scale, scores.data_ptr(),
-                                 max_context_len)  # fmt: skip
-        probs = scores.softmax(-1)
-        self._values[pool_dtype](probs.data_ptr(), kv_layer[1].data_ptr(), tables, width, lens,
-                                 starts, batch, parts, *dims, max_context_len,
-                                 out.data_ptr())  # fmt: skip
+        self._attend[kv_layer.dtype](q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(),
+                                     kv_layer[1].data_ptr(), rows.block_tables.data_ptr(),
+                                     rows.block_tables.shape[1], rows.context_lens.data_ptr(),
+                                     starts, batch, self.parts(batch), num_heads, num_kv_heads,
+                                     head_dim, block_size, scale, rows.max_context_len,
+                                     out.data_ptr())  # fmt: skip
         return out.to(out_dtype)
 
     def parts(self, batch: int) -> int:

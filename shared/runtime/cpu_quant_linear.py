@@ -8,7 +8,10 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
   an integer dot product (AVX-512 VNNI / AVX2 / portable C), scaled and summed in fp32. The
   packed bytes are read once (4.5-8.5 bits a weight) and no fp32 weight is made. Error: x's
   rounding to int8, at most ``amax_block / 254`` per element; ~5e-3 of the outputs' norm for
-  Gaussian x (tests/runtime/test_quant_linear.py).
+  Gaussian x (tests/runtime/test_quant_linear.py). A weight the decode engine holds is
+  regrouped once into tiles of 16 rows (:meth:`QuantWeight.tile`, csrc/quant_tiles.c) where the
+  build has AVX-512 VNNI: one vector then holds sixteen rows' dot products and the fp32 work per
+  block is paid once per sixteen rows, not per four; the same rounding of x, the same bound.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly
@@ -74,6 +77,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -89,6 +93,7 @@ from shared.runtime.quant_formats import (
 )
 
 SOURCE = CSRC / "quant_linear.c"
+TILES_SOURCE = CSRC / "quant_tiles.c"  # the tiled layout and its int8 kernel
 # -ffp-contract=off: the dequantize entry's (d * q) + m must round twice, as gguf-py does.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC",
          "-shared", "-std=c11")  # fmt: skip
@@ -125,7 +130,9 @@ def dequant_parts(n: int, k: int) -> int:
 class QuantKernels:
     """The C library: the int8 and fp32 linears and the dequantize."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, path: Path, tiles: tuple[ctypes.CDLL, Path] | None = None
+    ) -> None:
         self.path = path
         self._linear = lib.baton_quant_linear
         self._linear.argtypes = [_P, _I, _I, _I, _P, _I, _I, _P, _P, _I]
@@ -142,6 +149,31 @@ class QuantKernels:
         f32_isa = lib.baton_quant_f32_path
         f32_isa.argtypes, f32_isa.restype = [], ctypes.c_char_p
         self.f32_isa: str = f32_isa().decode()  # "avx512", "avx2" or "portable"
+        # The tiled layout (csrc/quant_tiles.c): rows a tile holds, 0 where this build has no
+        # kernel for it (or its library did not build): weights then keep their row layout.
+        self.tile_rows = 0
+        self.tiles_isa = "none"
+        if tiles is not None:
+            self._attach_tiles(tiles[0])
+
+    def _attach_tiles(self, lib: ctypes.CDLL) -> None:
+        self._tiles_linear = lib.baton_quant_tiles_linear
+        self._tiles_linear.argtypes = self._linear.argtypes
+        self._tiles_linear.restype = ctypes.c_int
+        self._tiles_pack = lib.baton_quant_tiles_pack
+        self._tiles_pack.argtypes = [_P, _I, _I, _I, _P]
+        self._tiles_unpack = lib.baton_quant_tiles_unpack
+        self._tiles_unpack.argtypes = [_P, _I, _I, _P, _I, _P]
+        self._tiles_dequant = lib.baton_quant_tiles_dequantize
+        self._tiles_dequant.argtypes = [_P, _I, _I, _P, _I, _P, _I]
+        for fn in (self._tiles_pack, self._tiles_unpack, self._tiles_dequant):
+            fn.restype = ctypes.c_int
+        rows = lib.baton_quant_tile_rows
+        rows.argtypes, rows.restype = [], ctypes.c_int64
+        isa = lib.baton_quant_tiles_path
+        isa.argtypes, isa.restype = [], ctypes.c_char_p
+        self.tile_rows = int(rows())
+        self.tiles_isa = isa().decode()  # "avx512-vnni" or "none"
 
     def linear(
         self, raw: torch.Tensor, qtype: int, k: int, x: torch.Tensor, bias: torch.Tensor | None
@@ -149,33 +181,45 @@ class QuantKernels:
         """``x @ dequantize(raw).T + bias`` by the int8 kernel: ``raw`` contiguous uint8,
         ``x`` fp32 ``[M, k]`` with contiguous rows, ``bias`` None or contiguous fp32 ``[N]``
         (unchecked: QuantWeight.linear checks)."""
-        return self._run(raw.data_ptr(), int(qtype), raw.shape[0], k, x, bias)
+        return self._run(self._linear, raw.data_ptr(), int(qtype), raw.shape[0], k, x, bias)
 
     def linear_f32(
         self, raw: torch.Tensor, qtype: int, k: int, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """As :meth:`linear` by the fp32 kernel: ``F.linear(x, dequantize(raw), bias)`` up to
         the order of the fp32 sums."""
-        return self._run(raw.data_ptr(), int(qtype), raw.shape[0], k, x, bias, True)
+        return self._run(self._linear_f32, raw.data_ptr(), int(qtype), raw.shape[0], k, x, bias)
+
+    def linear_tiles(
+        self,
+        tiles: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """As :meth:`linear` over the :meth:`pack_tiles` form of an ``n``-row weight (the same
+        rounding of x; the fp32 sums in another order)."""
+        return self._run(self._tiles_linear, tiles.data_ptr(), int(qtype), n, k, x, bias)
 
     def _run(
         self,
+        fn: Callable[..., int],
         raw: int,
         qtype: int,
         n: int,
         k: int,
         x: torch.Tensor,
         bias: torch.Tensor | None,
-        f32: bool = False,
     ) -> torch.Tensor:
         m = x.shape[0]
         out = torch.empty(m, n)  # the short form: half the call's cost of the dtype= one
         if out.dtype is not torch.float32:  # a process that changed torch's default dtype
             out = torch.empty((m, n), dtype=torch.float32)
-        rc = (self._linear_f32 if f32 else self._linear)(raw, qtype, n, k, x.data_ptr(), m,
-                                                         x.stride(0),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          linear_parts(m, n, k))  # fmt: skip
+        rc = fn(raw, qtype, n, k, x.data_ptr(), m, x.stride(0),
+                None if bias is None else bias.data_ptr(), out.data_ptr(),
+                linear_parts(m, n, k))  # fmt: skip
         if rc != 0:
             if rc == -2:
                 raise MemoryError("quant_linear: no memory for the quantized activations")
@@ -189,13 +233,59 @@ class QuantKernels:
         if rc != 0:
             raise ValueError(f"quant_dequantize refused {qtype!r} with in_features {k}")
 
+    def pack_tiles(self, raw: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
+        """The rows of ``raw`` (contiguous, GGML's layout) regrouped into tiles of
+        :attr:`tile_rows` (csrc/quant_tiles.c), padded with zero rows to a multiple of it."""
+        n, tr = raw.shape[0], self.tile_rows
+        if tr == 0:
+            raise ValueError(f"this build ({self.tiles_isa}) has no tiled kernel")
+        tiles = torch.empty(-(-n // tr) * tr, raw.shape[1], dtype=torch.uint8)
+        if self._tiles_pack(raw.data_ptr(), int(qtype), n, k, tiles.data_ptr()) != 0:
+            raise ValueError(f"quant_tiles refused {qtype!r} with in_features {k}")
+        return tiles
+
+    def unpack_tiles(
+        self, tiles: torch.Tensor, qtype: QuantType, k: int, n: int, ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows ``ids`` (contiguous int64, in range; None: the first ``n``) of a tiled weight
+        in GGML's row layout."""
+        count = n if ids is None else ids.numel()
+        out = torch.empty(count, tiles.shape[1], dtype=torch.uint8)
+        rc = self._tiles_unpack(tiles.data_ptr(), int(qtype), k,
+                                None if ids is None else ids.data_ptr(), count,
+                                out.data_ptr())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"quant_tiles refused {qtype!r} with in_features {k}")
+        return out
+
+    def dequantize_tiles(
+        self,
+        tiles: torch.Tensor,
+        qtype: QuantType,
+        k: int,
+        out: torch.Tensor,
+        n: int,
+        ids: torch.Tensor | None,
+    ) -> None:
+        """``out`` (contiguous fp32) = dequantize of rows ``ids`` (contiguous int64, in range;
+        None: the first ``n``) of a tiled weight, bit-equal to :meth:`dequantize`."""
+        count = n if ids is None else ids.numel()
+        rc = self._tiles_dequant(tiles.data_ptr(), int(qtype), k,
+                                 None if ids is None else ids.data_ptr(), count, out.data_ptr(),
+                                 dequant_parts(count, k))  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"quant_tiles refused {qtype!r} with in_features {k}")
+
 
 @functools.cache
 def load_quant_kernels(cache_dir: Path | None = None) -> QuantKernels | None:
     """The kernels, built (once per machine and source) and loaded once per process; None
     without a compiler (the torch reference serves)."""
     loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="torch's dequantize + F.linear")
-    return QuantKernels(*loaded) if loaded is not None else None
+    if loaded is None:
+        return None
+    tiles = load_library(TILES_SOURCE, FLAGS, cache_dir, fallback="the row layout's kernel")
+    return QuantKernels(*loaded, tiles)
 
 
 _DEFAULT = object()  # a QuantWeight built without kernels: the process's, loaded at first use
@@ -220,7 +310,13 @@ class QuantWeight:
     loaded at first use. ``small_mode`` (:data:`SMALL_MODES`): the kernel for calls of up to
     ``small_max_rows`` rows (default :data:`F32_MAX_ROWS` for "f32", :data:`INT8_MAX_ROWS`
     for "int8"); more rows take dequantize + SGEMM. Both are attributes a caller may set (e.g.
-    ``small_max_rows = 0``: always dequantize + SGEMM); ``select_rows`` and ``cat`` keep them."""
+    ``small_max_rows = 0``: always dequantize + SGEMM); ``select_rows`` and ``cat`` keep them.
+
+    :meth:`tile` regroups ``raw`` in place into tiles of 16 rows (csrc/quant_tiles.c) where the
+    build has their int8 kernel (AVX-512 VNNI): the decode engine's form. ``raw`` then holds the
+    tiles (its rows padded to a multiple of 16) and every method serves as before; the int8
+    kernel's results equal the row layout's up to the order of the fp32 sums, a tiled
+    weight's "f32" small mode is dequantize + SGEMM."""
 
     # Projection.project hands every row count to linear (int8 kernel or dequantize + SGEMM).
     min_rows = 1
@@ -254,6 +350,7 @@ class QuantWeight:
         self.raw = raw.contiguous()
         self.in_features = in_features
         self.out_features = raw.shape[0]
+        self.tiled = False  # raw holds tiles (tile), not rows
         self._kernels = kernels
         self._raw_ptr = self.raw.data_ptr()  # raw is never written: the address is fixed
         self._qtype = int(self.qtype)
@@ -274,7 +371,28 @@ class QuantWeight:
         return (self.out_features, self.in_features)
 
     def __repr__(self) -> str:
-        return f"QuantWeight({self.qtype.name}, {self.out_features} x {self.in_features})"
+        tiled = ", tiled" if self.tiled else ""
+        return f"QuantWeight({self.qtype.name}, {self.out_features} x {self.in_features}{tiled})"
+
+    def tile(self) -> bool:
+        """Regroup ``raw`` into the tiled layout if the kernels have it (True; already tiled:
+        True); else leave it (False). The row bytes are freed unless someone else holds them."""
+        kernels = self.kernels
+        if self.tiled or kernels is None or kernels.tile_rows == 0:
+            return self.tiled
+        self.raw = kernels.pack_tiles(self.raw, self.qtype, self.in_features)
+        self._raw_ptr = self.raw.data_ptr()
+        self.tiled = True
+        return True
+
+    def _row_bytes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (None: all) in GGML's row layout, whatever ``raw`` holds."""
+        if not self.tiled:
+            return self.raw if ids is None else self.raw.index_select(0, ids)
+        kernels = self.kernels
+        assert kernels is not None  # a weight is tiled only by its kernels
+        return kernels.unpack_tiles(self.raw, self.qtype, self.in_features, self.out_features,
+                                    ids)  # fmt: skip
 
     def _like(self, raw: torch.Tensor) -> QuantWeight:
         return QuantWeight(raw, self.qtype, self.in_features, self._kernels,
@@ -283,37 +401,49 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out_features, in_features]``, bit-equal to gguf-py's dequantize."""
-        return self._dequantize(self.raw)
+        return self._dequantize()
 
-    def _dequantize(self, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _dequantize(
+        self, out: torch.Tensor | None = None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ``ids`` (contiguous int64, checked in range; None: all) dequantized, into
+        ``out`` if given."""
         kernels = self.kernels
+        n = self.out_features if ids is None else ids.numel()
         if kernels is None:
-            return dequantize(raw, self.qtype, self.in_features)
+            return dequantize(self._row_bytes(ids), self.qtype, self.in_features)
         if out is None:
-            out = torch.empty(raw.shape[0], self.in_features, dtype=torch.float32)
-        kernels.dequantize(raw, self.qtype, self.in_features, out)
-        return out.view(raw.shape[0], self.in_features)
+            out = torch.empty(n, self.in_features, dtype=torch.float32)
+        if self.tiled:
+            kernels.dequantize_tiles(self.raw, self.qtype, self.in_features, out, n, ids)
+        else:
+            kernels.dequantize(self._row_bytes(ids), self.qtype, self.in_features, out)
+        return out.view(n, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 ``[*ids.shape, in_features]``: rows ``ids`` dequantized (an embedding lookup)."""
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"ids must be integer, got {ids.dtype}")
-        picked = self.raw.index_select(0, ids.reshape(-1).long())
-        return self._dequantize(picked).view(*ids.shape, self.in_features)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
+            raise IndexError(f"row ids out of range for {self.out_features} rows")
+        return self._dequantize(ids=flat).view(*ids.shape, self.in_features)
 
     def select_rows(self, order: torch.Tensor) -> QuantWeight:
-        """The weight of rows ``order`` (a permutation or selection of output features)."""
-        return self._like(self.raw.index_select(0, order.long()))
+        """The weight of rows ``order`` (a permutation or selection of output features), in the
+        row layout."""
+        return self._like(self._row_bytes(order.long().contiguous()))
 
     @classmethod
     def cat(cls, parts: list[QuantWeight]) -> QuantWeight:
-        """The rows of ``parts`` (one type, one in_features) stacked: a fused projection."""
+        """The rows of ``parts`` (one type, one in_features) stacked: a fused projection, in the
+        row layout."""
         if not parts:
             raise ValueError("nothing to concatenate")
         first = parts[0]
         if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):
             raise ValueError("packed weights to fuse must share a type and in_features")
-        return first._like(torch.cat([p.raw for p in parts]))
+        return first._like(torch.cat([p._row_bytes() for p in parts]))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for 2-D fp32 or bf16 CPU ``x``, in x's
@@ -332,9 +462,17 @@ class QuantWeight:
             and 0 < x.shape[0] <= self.small_max_rows
         ):  # fmt: skip
             # the decode step's case, checked in as few torch calls as possible
-            return kernels._run(self._raw_ptr, self._qtype, self.out_features,
-                                self.in_features, x, bias, self.small_mode == "f32")  # fmt: skip
+            fn = self._small_kernel(kernels)
+            if fn is not None:
+                return kernels._run(fn, self._raw_ptr, self._qtype, self.out_features,
+                                    self.in_features, x, bias)  # fmt: skip
         return self._linear(x, bias)
+
+    def _small_kernel(self, kernels: QuantKernels) -> Callable[..., int] | None:
+        """The C linear of calls up to small_max_rows rows; None: dequantize + SGEMM."""
+        if self.small_mode == "f32":
+            return None if self.tiled else kernels._linear_f32
+        return kernels._tiles_linear if self.tiled else kernels._linear
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features or not x.is_cpu:
@@ -351,13 +489,14 @@ class QuantWeight:
         b = None if bias is None else bias.to(torch.float32).contiguous()
         kernels = self.kernels
         m = xf.shape[0]
+        small = None if kernels is None or m > self.small_max_rows else self._small_kernel(kernels)
         if kernels is None:
             y = F.linear(xf, dequantize(self.raw, self.qtype, self.in_features), b)
         elif m == 0:
             y = xf.new_zeros(0, self.out_features)
-        elif m <= self.small_max_rows:
-            y = kernels._run(self._raw_ptr, self._qtype, self.out_features, self.in_features,
-                             xf, b, self.small_mode == "f32")  # fmt: skip
+        elif small is not None:
+            y = kernels._run(small, self._raw_ptr, self._qtype, self.out_features,
+                             self.in_features, xf, b)  # fmt: skip
         else:
             y = self.linear_dequantized(xf, b)
         return y if dtype == torch.float32 else y.to(dtype)
@@ -366,4 +505,4 @@ class QuantWeight:
         """The path above small_max_rows for any fp32 ``x``: the weight dequantized into this
         thread's scratch, then ``F.linear`` (exactly ``F.linear(x, self.dequantize(), bias)``)."""
         scratch = _scratch_for(self.out_features * self.in_features)
-        return F.linear(x, self._dequantize(self.raw, scratch), bias)
+        return F.linear(x, self._dequantize(scratch), bias)

@@ -89,7 +89,10 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
     """Transpose every :class:`Projection`'s weight and, where oneDNN or MKL can, pack it too;
     returns the number packed. ``role``: which forms an engine keeps (the module's docstring).
     A head tied to the embedding stays as it is (the embedding's row gather wants
-    ``[vocab, hidden]``, contiguous); it is still packed."""
+    ``[vocab, hidden]``, contiguous); it is still packed. A GGUF weight kept quantized
+    (:class:`QuantWeight`) computes exactly in the prefill engine (:func:`exact_prefill`) and
+    is regrouped into its int8 kernel's tiles elsewhere (:meth:`QuantWeight.tile`, in place: a
+    tied embedding gathers its rows from the tiles)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
     # By storage: the loader assigns a tied head its own Parameter over the embedding's tensor.
@@ -104,6 +107,8 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
         if isinstance(module, Projection) and isinstance(module.packed, QuantWeight):
             if role == "prefill":
                 exact_prefill(module.packed, head=module is head)
+            else:
+                module.packed.tile()
             continue
         if not isinstance(module, Projection) or module.weight.is_meta:
             continue

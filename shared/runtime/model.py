@@ -21,7 +21,7 @@ from torch import nn
 from shared.native.mkl_pack import PackedWeight
 from shared.native.onednn_pack import OneDnnWeight
 from shared.runtime.attention import AttentionMetadata, attention
-from shared.runtime.cpu_bf16_ops import Bf16Kernels
+from shared.runtime.cpu_layer_ops import LayerKernels
 from shared.runtime.cpu_quant_linear import QuantWeight
 from shared.runtime.cpu_rope import RopeKernel
 from shared.runtime.model_config import ModelConfig
@@ -94,8 +94,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     # RoPE in place through C, set by the runner on CPU: fp32 (cpu_rope.py, bit-identical to
-    # apply_rope) or bf16 (cpu_bf16_ops.py, one rounding).
-    rope_kernel: RopeKernel | Bf16Kernels | None = None
+    # apply_rope) or bf16 (cpu_layer_ops.py, one rounding).
+    rope_kernel: RopeKernel | LayerKernels | None = None
 
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
@@ -138,8 +138,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    # bf16 SiLU * up through C (cpu_bf16_ops.py); set by the runner on CPU for bf16 models.
-    kernels: Bf16Kernels | None = None
+    # SiLU * up through C (cpu_layer_ops.py); set by the runner (CausalLM.use_layer_kernels).
+    kernels: LayerKernels | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -158,8 +158,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # bf16 RMSNorms (the second after the residual add) through C; see MLP.kernels.
-    kernels: Bf16Kernels | None = None
+    # RMSNorms (the second after the residual add) through C; see MLP.kernels.
+    kernels: LayerKernels | None = None
 
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
@@ -196,6 +196,8 @@ class CausalLM(nn.Module):
     # A quantized embedding (GGUF): rows are gathered and dequantized from it, and
     # ``embed_tokens.weight`` stays on the meta device.
     embed_packed: QuantWeight | None = None
+    # The final RMSNorm through C; see MLP.kernels.
+    kernels: LayerKernels | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -247,21 +249,34 @@ class CausalLM(nn.Module):
             total += self.embed_packed.nbytes
         return total
 
-    def use_rope_kernel(self, kernel: RopeKernel | None) -> None:
+    def use_rope_kernel(self, kernel: RopeKernel | LayerKernels | None) -> None:
         """Every attention layer's RoPE through ``kernel`` where it takes the inputs."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.rope_kernel = kernel
 
-    def use_bf16_kernels(self, kernels: Bf16Kernels | None) -> None:
-        """A bf16 model's RMSNorms, SiLU * up and RoPE through ``kernels`` (cpu_bf16_ops.py)."""
+    def use_layer_kernels(self, kernels: LayerKernels | None) -> None:
+        """Every RMSNorm and SiLU * up through ``kernels`` (cpu_layer_ops.py; None: torch's
+        ops); RoPE stays as :meth:`use_rope_kernel` set it."""
         for module in self.modules():
-            if isinstance(module, (DecoderLayer, MLP)):
+            if isinstance(module, (CausalLM, DecoderLayer, MLP)):
                 module.kernels = kernels
-            elif isinstance(module, Attention):
-                module.rope_kernel = kernels
+
+    def use_bf16_kernels(self, kernels: LayerKernels | None) -> None:
+        """A bf16 model's RMSNorms, SiLU * up and RoPE through ``kernels``."""
+        self.use_layer_kernels(kernels)
+        self.use_rope_kernel(kernels)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether projections run packed GGUF weights (int8 activations in decode)."""
+        return any(
+            isinstance(m, Projection) and isinstance(m.packed, QuantWeight) for m in self.modules()
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the rows given (only the tokens that sample). Norm is row-wise, so
         normalising just these rows equals normalising all and selecting after."""
-        return self.lm_head.project(self.norm.forward(hidden)).float()
+        norm, k = self.norm, self.kernels
+        x = norm.forward(hidden) if k is None else k.rms_norm(hidden, norm.weight, norm.eps)
+        return self.lm_head.project(x).float()

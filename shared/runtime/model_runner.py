@@ -24,7 +24,7 @@ from shared.models.catalog import resolve_model
 from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
 from shared.runtime.cpu_argmax import load_argmax
-from shared.runtime.cpu_bf16_ops import load_bf16_ops
+from shared.runtime.cpu_layer_ops import load_layer_ops
 from shared.runtime.cpu_rope import load_rope
 from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
@@ -134,8 +134,14 @@ class ModelRunner:
                      weight_bytes=self.model.weight_bytes())  # fmt: skip
             if c_kernels and self.dtype == torch.float32:
                 self.model.use_rope_kernel(load_rope())
+                if role == "decode" or (role is None and self.model.quantized):
+                    # The fused norms and SiLU * up part from torch's bits in the last ulp or
+                    # two (the parity tests hold with them); packed weights' int8 activations
+                    # part from exact fp32 anyway. The prefill engine's forward stays torch's,
+                    # exact (and linear_layout.exact_prefill for packed weights).
+                    self.model.use_layer_kernels(load_layer_ops())
             elif c_kernels and self.dtype == torch.bfloat16:
-                self.model.use_bf16_kernels(load_bf16_ops())
+                self.model.use_bf16_kernels(load_layer_ops())
         shared = allocate_kv_cache(kv_shape, kv_dtype, self.device) if allocate_kv_cache else None
         if shared is not None:
             self.kv_cache = shared  # zeroed by its owner
@@ -159,7 +165,8 @@ class ModelRunner:
             self.fp_window,
         )
         # Greedy rows through the C argmax (the same indices as torch's).
-        self.sampler = Sampler(load_argmax() if c_kernels else None)
+        argmax = load_argmax() if c_kernels else None
+        self.sampler = Sampler(argmax, self.model_config.eos_token_ids)
         log.info(
             "model runner ready",
             num_kv_blocks=self.num_kv_blocks,
@@ -329,7 +336,10 @@ class ModelRunner:
             hidden = hidden[torch.tensor(logits_indices, dtype=torch.int64, device=dev)]
         logits = self.model.compute_logits(hidden)
         return self.sampler(
-            logits, [s.sampling for s in sample_seqs], [s.num_tokens for s in sample_seqs]
+            logits,
+            [s.sampling for s in sample_seqs],
+            [s.num_tokens for s in sample_seqs],
+            sample_seqs,
         )
 
 

@@ -171,12 +171,12 @@ def test_the_kernels_split_on_torchs_own_openmp_runtime(tmp_path: Path) -> None:
     """The C kernels' parts run on the OpenMP team torch's GEMMs use: the process maps one
     OpenMP runtime, torch's (a second one would start its own team beside torch's, and the
     two took turns on the same cores)."""
-    from shared.runtime.cpu_bf16_ops import load_bf16_ops
     from shared.runtime.cpu_int8_attention import load_int8_kernel
+    from shared.runtime.cpu_layer_ops import load_layer_ops
     from shared.runtime.cpu_prefill_attention import load_prefill_kernel
 
     kernels = [load_kernel(tmp_path), load_prefill_kernel(tmp_path), load_int8_kernel(tmp_path),
-               load_bf16_ops(tmp_path)]  # fmt: skip
+               load_layer_ops(tmp_path)]  # fmt: skip
     paths = [k.path for k in kernels if k is not None]
     if len(paths) < len(kernels):
         pytest.skip("no C compiler")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from shared.runtime.cpu_quant_linear import (
     INT8_MAX_ROWS,
     SMALL_MODES,
     SOURCE,
+    TILES_SOURCE,
     QuantKernels,
     QuantWeight,
     load_quant_kernels,
@@ -136,8 +138,12 @@ def _halves_swapped(w: torch.Tensor) -> torch.Tensor:
     return w.view(n, k // BLOCK, 2, BLOCK // 2).flip(2).reshape(n, k)
 
 
-def _check_int8(kernels: QuantKernels, qtype: QuantType, n: int, k: int, rows: list[int]) -> float:
-    """The int8 kernel on x[:m] for each m in rows against the bound; the worst error/bound."""
+# An int8 linear as QuantKernels.linear takes it: (raw, qtype, k, x, bias) -> y.
+Linear = Callable[[torch.Tensor, QuantType, int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _check_int8(linear: Linear, qtype: QuantType, n: int, k: int, rows: list[int]) -> float:
+    """An int8 kernel on x[:m] for each m in rows against the bound; the worst error/bound."""
     g = torch.Generator().manual_seed(n * 7919 + k * 31 + int(qtype))
     raw = quantize(torch.randn(n, k, generator=g), qtype)
     w = dequantize(raw, qtype, k)
@@ -149,14 +155,14 @@ def _check_int8(kernels: QuantKernels, qtype: QuantType, n: int, k: int, rows: l
     wrong = (x.double() @ _halves_swapped(w).double().T - ref).abs().max()
     worst = 0.0
     for m in rows:
-        y = kernels.linear(raw, qtype, k, x[:m], None)
+        y = linear(raw, qtype, k, x[:m], None)
         err = (y.double() - ref[:m]).abs()
         assert bool((err <= bound[:m]).all()), (m, float((err / bound[:m]).max()))
         assert float(err.max()) < 0.05 * float(wrong), (m, float(err.max()), float(wrong))
         worst = max(worst, float((err / bound[:m]).max()))
     # the bias is added to the same sums
-    with_bias = kernels.linear(raw, qtype, k, x[:3], bias)
-    assert torch.equal(with_bias, kernels.linear(raw, qtype, k, x[:3], None) + bias)
+    with_bias = linear(raw, qtype, k, x[:3], bias)
+    assert torch.equal(with_bias, linear(raw, qtype, k, x[:3], None) + bias)
     return worst
 
 
@@ -206,7 +212,7 @@ def test_f32_kernel_dequantizes_edge_scales_like_the_reference(kernels: QuantKer
 def test_int8_kernel_within_its_rounding_bound(kernels: QuantKernels, qtype: QuantType,
                                                k: int) -> None:  # fmt: skip
     for n in (1, 7, 64, 192, 577):
-        _check_int8(kernels, qtype, n, k, ROWS if n in (7, 577) else [1, 8, 17])
+        _check_int8(kernels.linear, qtype, n, k, ROWS if n in (7, 577) else [1, 8, 17])
 
 
 def test_int8_error_is_activation_rounding_sized(kernels: QuantKernels) -> None:
@@ -291,20 +297,20 @@ def test_both_small_modes_and_the_threshold_are_reachable(kernels: QuantKernels)
         QuantWeight(raw, QuantType.Q4_1, 96, kernels, small_mode="bf16")
 
 
-def _check_non_finite(kernels: QuantKernels) -> None:
+def _check_non_finite(linear: Linear) -> None:
     """A NaN in a row of x makes the row's outputs NaN, an inf makes them non-finite."""
     for qtype in TYPES:
         raw = quantize(torch.randn(9, 64), qtype)
         x = torch.randn(3, 64)
         x[0, 40] = float("nan")
         x[2, 3] = float("inf")
-        y = kernels.linear(raw, qtype, 64, x, None)
+        y = linear(raw, qtype, 64, x, None)
         assert bool(y[0].isnan().all()) and bool(y[1].isfinite().all())
         assert not bool(y[2].isfinite().any())
 
 
 def test_non_finite_x(kernels: QuantKernels) -> None:
-    _check_non_finite(kernels)
+    _check_non_finite(kernels.linear)
 
 
 def test_bf16_strided_bias_and_refusals(kernels: QuantKernels) -> None:
@@ -407,13 +413,18 @@ def test_other_builds(isa: str) -> None:
         pytest.skip(f"this CPU cannot run the {isa} build")
     flags = tuple(f for f in FLAGS if f not in ("-O3", "-march=native")) + ("-O1", *march)
     built = load_library(SOURCE, flags, None, fallback="nothing (a test build)")
-    variant = QuantKernels(*built_or_skip(built, "the native build"))
+    tiles = load_library(TILES_SOURCE, flags, None, fallback="nothing (a test build)")
+    variant = QuantKernels(*built_or_skip(built, "the native build"), tiles)
     assert variant.isa == isa
+    # the tiled layout's kernel is AVX-512 VNNI's: these builds keep the row layout
+    assert tiles is not None and variant.tile_rows == 0 and variant.tiles_isa == "none"
+    assert not QuantWeight(quantize(torch.randn(3, 64), QuantType.Q8_0), QuantType.Q8_0, 64,
+                           variant).tile()  # fmt: skip
     for qtype in TYPES:
         for n, k in ((7, 64), (66, 576)):
-            _check_int8(variant, qtype, n, k, [1, 2, 9, 17])
+            _check_int8(variant.linear, qtype, n, k, [1, 2, 9, 17])
             _check_f32(variant, qtype, n, k, [1, 2, 5, 9])
         raw = _random_blocks(9, 64, qtype, torch.Generator().manual_seed(1))
         want = gguf_dequantize(raw.numpy(), _gguf_type(qtype))
         _same_bits(QuantWeight(raw, qtype, 64, variant).dequantize(), want)
-    _check_non_finite(variant)
+    _check_non_finite(variant.linear)

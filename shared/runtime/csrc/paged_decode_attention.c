@@ -1,5 +1,5 @@
-/* Decode attention over Baton's paged fp32 or bf16 KV cache, CPU, in two passes around a
- * softmax.
+/* Decode attention over Baton's paged fp32 or bf16 KV cache, CPU: per batch row, two passes
+ * around a softmax, in one call.
  *
  * One layer's cache is a K and a V pool of [num_blocks, block_size, num_kv_heads, head_dim]
  * fp32 or bf16 elements; sequence b's position t lives in block block_tables[b][t / block_size]
@@ -8,15 +8,16 @@
  * in place, a whole slot row (every KV head) at a time: K and V are each read once, contiguously
  * within a block, and nothing is copied.
  *
- *   scores: scores[b, hq, t - s] = scale * q[b, hq] . K[slot(b, t), hq / group]
- *           for s = start[b] <= t < len[b]; -inf for len[b] - s <= t - s < stride
- *           (the softmax between the passes is torch's)
- *   values: out[b, hq] = sum over start[b] <= t < len[b] of probs[b, hq, t - s] * V[slot(b, t), ..]
+ *   scores: scores[hq, t - s] = scale * q[b, hq] . K[slot(b, t), hq / group]
+ *           for s = start[b] <= t < len[b], into the thread's scratch
+ *   softmax over each head's scores, in place, in the same call: no scores tensor padded to
+ *           the longest row, one meeting of the step's threads a layer, not two
+ *   values: out[b, hq] = sum over start[b] <= t < len[b] of probs[hq, t - s] * V[slot(b, t), ..]
  *
  * start[b] is where a sliding window begins (NULL starts: 0 for every row); block table entries
- * below it are never read (their blocks may have been freed). 
- * Query head hq uses KV head hq / group (transformers' repeat_kv order). Both hand the batch out
- * in chunks of rows to up to `parts` threads (disjoint writes; split_rows). Common head sizes are
+ * below it are never read (their blocks may have been freed).
+ * Query head hq uses KV head hq / group (transformers' repeat_kv order). The batch goes out in
+ * chunks of rows to up to `parts` threads (disjoint writes; split_rows). Common head sizes are
  * specialised so the inner loops unroll into registers; any other size takes the generic loop.
  *
  * Element types: q, the scores, the probabilities and the output are fp32 whatever the cache
@@ -26,6 +27,7 @@
  * and embedding_bag: a batch-16 decode step of the Qwen2-0.5B shape, 44-45 -> 40.5 ms. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
@@ -288,47 +290,152 @@ INLINE void values_grouped_bf16(const float *restrict probs, const void *restric
     values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size, stride, ob, bf16)
 #endif
 
-/* A pass over batch rows [b0, b1): the arguments of one exported call. */
-struct pass_args {
-    const float *in;  /* q (scores) or probs (values) */
-    const void *pool; /* fp32 or bf16 elements: the caller's entry point says which */
+/* softmax over s[0, n) in place, n >= 1: exp(s - max) / sum, as torch's softmax (its exp is
+ * ~1 ulp; this one Cephes' polynomial, ~2 ulp, vectorised where GCC's vector types are). A NaN
+ * score makes the row NaN. */
+#ifdef BATON_VECTOR_SCORES
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* e^x, x <= 0 (or NaN) over 16 lanes: x clamped to -87.3 (e^x below it is 2^-126 or less, not a
+ * weight a sum of at least 1 notices); x = n ln2 + r, a degree-6 polynomial in r, times 2^n. */
+static inline v16 exp16(v16 x)
+{
+    const v16 zero = {0}, lo = zero - 87.3f;
+    const i16v below = x < lo; /* NaN: false, kept */
+    x = (v16)(((i16v)lo & below) | ((i16v)x & ~below));
+    const v16 t = x * 1.44269504088896341f + 0.5f;
+    i16v ni = __builtin_convertvector(t, i16v); /* truncates: one more than floor where t < 0 */
+    ni += (i16v)(__builtin_convertvector(ni, v16) > t); /* a true lane is -1: floor(t) */
+    const v16 nf = __builtin_convertvector(ni, v16);
+    v16 r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v16)((ni + 127) << 23);
+}
+
+static void softmax(float *s, int64_t n)
+{
+    const v16 ninf = {0}; /* lanes past n stay -inf */
+    v16 vmax = ninf - INFINITY, vnan = ninf;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 v = load16(s + i);
+        vmax = (v16)(((i16v)v & (i16v)(v > vmax)) | ((i16v)vmax & ~(i16v)(v > vmax)));
+        vnan = (v16)((i16v)vnan | ((i16v)v & (i16v)(v != v))); /* a NaN's bits, or 0 */
+    }
+    float mx = -INFINITY, nan = 0.f;
+    for (int j = 0; j < 16; j++) {
+        mx = vmax[j] > mx ? vmax[j] : mx;
+        nan = vnan[j] != 0.f ? vnan[j] : nan;
+    }
+    for (; i < n; i++) {
+        mx = s[i] > mx ? s[i] : mx;
+        nan = s[i] != s[i] ? s[i] : nan;
+    }
+    if (nan != nan) mx = nan; /* a NaN score makes every exp, so the row, NaN */
+    v16 acc = {0};
+    i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 e = exp16(load16(s + i) - mx);
+        memcpy(s + i, &e, sizeof e);
+        acc += e;
+    }
+    if (i < n) { /* the tail through a padded vector, its padding left out of the sum */
+        float t[16] = {0};
+        memcpy(t, s + i, (size_t)(n - i) * sizeof *s);
+        const v16 e = exp16(load16(t) - mx);
+        memcpy(t, &e, sizeof e);
+        for (int64_t j = n - i; j < 16; j++) t[j] = 0.f;
+        memcpy(s + i, t, (size_t)(n - i) * sizeof *s);
+        acc += load16(t);
+    }
+    float sum = 0.f;
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+}
+#else
+static void softmax(float *s, int64_t n)
+{
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t i = 0; i < n; i++) mx = s[i] > mx || s[i] != s[i] ? s[i] : mx;
+    for (int64_t i = 0; i < n; i++) sum += s[i] = expf(s[i] - mx);
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+}
+#endif
+
+/* The arguments of one exported call. */
+struct attend_args {
+    const float *q; /* [batch, num_heads, head_dim], rows q_stride floats apart */
+    int64_t q_stride;
+    const void *k_pool, *v_pool; /* fp32 or bf16 elements: the entry point says which */
     const int64_t *block_tables;
     int64_t max_blocks;
     const int64_t *context_lens;
     const int64_t *starts; /* NULL: every row from position 0 */
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    float *out;  /* scores or out */
-    int64_t stride;
+    float *out; /* [batch, num_heads, head_dim] */
+    int64_t max_len; /* the longest row's span: the scores scratch a row needs per head */
 };
 
-INLINE void scores_rows(const struct pass_args *a, int64_t b0, int64_t b1, int bf16)
+/* Ask for the first PREFETCH_SPAN bytes of row b's K and of its V at once, into L2 (all of a
+ * row of the bench shape at a context of ~170): the passes' own prefetch, one block ahead, kept
+ * few of a thread's memory requests in flight, and the step waited on each block's latency.
+ * Past the span (long contexts, which would not fit L2) that prefetch alone serves. Called at the
+ * row's start: V arrives while K is scored. */
+#define PREFETCH_SPAN (128 << 10)
+
+INLINE void prefetch_span(const struct attend_args *a, int64_t b, int64_t row_bytes)
 {
-    const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
-    const int64_t block_size = a->block_size, stride = a->stride;
-    const void *k_pool = a->pool;
-    const float scale = a->scale;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *qb = a->in + b * num_heads * a->head_dim;
-        float *sb = a->out + b * num_heads * stride;
-        const int64_t len = a->context_lens[b], start = a->starts ? a->starts[b] : 0;
-        SPECIALISED(SCORES, a->head_dim, qb, a->block_tables + b * a->max_blocks, start, len, sb)
-        for (int64_t hq = 0; hq < num_heads; hq++) /* the padding, whichever loop scored */
-            for (int64_t t = len - start; t < stride; t++) sb[hq * stride + t] = -INFINITY;
-    }
+    const int64_t *table = a->block_tables + b * a->max_blocks, bs = a->block_size;
+    const int64_t start = a->starts ? a->starts[b] : 0, len = a->context_lens[b];
+    const int64_t end = len - start > PREFETCH_SPAN / row_bytes ? start + PREFETCH_SPAN / row_bytes
+                                                                : len;
+    for (int pool = 0; pool < 2; pool++) /* K first: the scores pass reads it first */
+        for (int64_t t0 = start; t0 < end;) {
+            const int64_t off = t0 % bs, n = end - t0 < bs - off ? end - t0 : bs - off;
+            const int64_t at = table[t0 / bs] * bs + off;
+            prefetch_rows((const char *)(pool ? a->v_pool : a->k_pool) + at * row_bytes,
+                          n * row_bytes);
+            t0 += n;
+        }
 }
 
-INLINE void values_rows(const struct pass_args *a, int64_t b0, int64_t b1, int bf16)
+/* Rows [b0, b1): each row's scores into scratch (num_heads x its span), their softmax, then the
+ * values: K and V are read once each, the probabilities never leave the thread's cache. */
+INLINE void attend_rows(const struct attend_args *a, int64_t b0, int64_t b1, int bf16)
 {
     const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
-    const int64_t block_size = a->block_size, stride = a->stride;
-    const void *v_pool = a->pool;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *pb = a->in + b * num_heads * stride;
-        float *ob = a->out + b * num_heads * a->head_dim;
-        SPECIALISED(VALUES, a->head_dim, pb, a->block_tables + b * a->max_blocks,
-                    a->starts ? a->starts[b] : 0, a->context_lens[b], ob)
+    const int64_t block_size = a->block_size;
+    const void *k_pool = a->k_pool, *v_pool = a->v_pool;
+    const float scale = a->scale;
+    float *scratch = malloc((size_t)(num_heads * a->max_len) * sizeof(float));
+    if (scratch == NULL) { /* no memory: NaN out, which the engine's sampler cannot hide */
+        for (int64_t i = b0 * num_heads * a->head_dim; i < b1 * num_heads * a->head_dim; i++)
+            a->out[i] = NAN;
+        return;
     }
+    const int64_t row = a->num_kv_heads * a->head_dim, esize = bf16 ? 2 : 4;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *qb = a->q + b * a->q_stride;
+        const int64_t *table = a->block_tables + b * a->max_blocks;
+        const int64_t len = a->context_lens[b], start = a->starts ? a->starts[b] : 0;
+        const int64_t stride = len - start; /* this row's scores per head, back to back */
+        prefetch_span(a, b, row * esize);
+        SPECIALISED(SCORES, a->head_dim, qb, table, start, len, scratch)
+        for (int64_t hq = 0; hq < num_heads; hq++) softmax(scratch + hq * stride, stride);
+        float *ob = a->out + b * num_heads * a->head_dim;
+        SPECIALISED(VALUES, a->head_dim, scratch, table, start, len, ob)
+    }
+    free(scratch);
 }
 
 /* The parts run on the OpenMP team torch's own ops use (this library links libgomp, and the
@@ -337,24 +444,16 @@ INLINE void values_rows(const struct pass_args *a, int64_t b0, int64_t b1, int b
  * after the step's last GEMM (libgomp spins before it sleeps): on two cores they took turns
  * on one core and attention got slower with two threads than with one. Rows are independent
  * and each is computed the same way whichever thread takes it. */
-typedef void (*rows_fn)(const struct pass_args *, int64_t, int64_t);
+typedef void (*rows_fn)(const struct attend_args *, int64_t, int64_t);
 
-/* Each pass once per element type. */
-static void scores_rows_f32(const struct pass_args *a, int64_t b0, int64_t b1)
+/* Once per element type. */
+static void attend_rows_f32(const struct attend_args *a, int64_t b0, int64_t b1)
 {
-    scores_rows(a, b0, b1, 0);
+    attend_rows(a, b0, b1, 0);
 }
-static void scores_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
+static void attend_rows_bf16(const struct attend_args *a, int64_t b0, int64_t b1)
 {
-    scores_rows(a, b0, b1, 1);
-}
-static void values_rows_f32(const struct pass_args *a, int64_t b0, int64_t b1)
-{
-    values_rows(a, b0, b1, 0);
-}
-static void values_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
-{
-    values_rows(a, b0, b1, 1);
+    attend_rows(a, b0, b1, 1);
 }
 
 /* The batch goes out in chunks of about ROWS_PER_CHUNK rows, each taken by whichever thread of
@@ -372,7 +471,7 @@ static void values_rows_bf16(const struct pass_args *a, int64_t b0, int64_t b1)
  * it. */
 #define ROWS_PER_CHUNK 4
 
-static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int64_t parts)
+static void split_rows(rows_fn fn, const struct attend_args *a, int64_t batch, int64_t parts)
 {
     if (parts > batch) parts = batch;
     if (parts <= 1) {
@@ -384,32 +483,20 @@ static void split_rows(rows_fn fn, const struct pass_args *a, int64_t batch, int
     for (int64_t i = 0; i < chunks; i++) fn(a, batch * i / chunks, batch * (i + 1) / chunks);
 }
 
-/* The exported passes: the pools' element type is in the name (q, scores, probs, out: fp32). */
-#define SCORES_ENTRY(name, pool_t, rows)                                                     \
-    void name(const float *q, const pool_t *k_pool, const int64_t *block_tables,             \
-              int64_t max_blocks, const int64_t *context_lens, const int64_t *starts,        \
-              int64_t batch, int64_t parts, int64_t num_heads, int64_t num_kv_heads,         \
-              int64_t head_dim, int64_t block_size, float scale, float *scores,              \
-              int64_t stride)                                                                \
+/* The exported call: the pools' element type is in the name (q and out: fp32). max_len: at least
+ * every row's context_lens[b] - starts[b]. */
+#define ATTEND_ENTRY(name, pool_t, rows)                                                     \
+    void name(const float *q, int64_t q_stride, const pool_t *k_pool, const pool_t *v_pool,  \
+              const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,  \
+              const int64_t *starts, int64_t batch, int64_t parts, int64_t num_heads,        \
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,       \
+              int64_t max_len, float *out)                                                   \
     {                                                                                        \
-        const struct pass_args a = {q, k_pool, block_tables, max_blocks, context_lens,       \
-                                    starts, num_heads, num_kv_heads, head_dim, block_size,   \
-                                    scale, scores, stride};                                  \
-        split_rows(rows, &a, batch, parts);                                                  \
-    }
-#define VALUES_ENTRY(name, pool_t, rows)                                                     \
-    void name(const float *probs, const pool_t *v_pool, const int64_t *block_tables,         \
-              int64_t max_blocks, const int64_t *context_lens, const int64_t *starts,        \
-              int64_t batch, int64_t parts, int64_t num_heads, int64_t num_kv_heads,         \
-              int64_t head_dim, int64_t block_size, int64_t stride, float *out)              \
-    {                                                                                        \
-        const struct pass_args a = {probs, v_pool, block_tables, max_blocks, context_lens,   \
-                                    starts, num_heads, num_kv_heads, head_dim, block_size,   \
-                                    0.f, out, stride};                                       \
+        const struct attend_args a = {q, q_stride, k_pool, v_pool, block_tables, max_blocks, \
+                                      context_lens, starts, num_heads, num_kv_heads,         \
+                                      head_dim, block_size, scale, out, max_len};            \
         split_rows(rows, &a, batch, parts);                                                  \
     }
 
-SCORES_ENTRY(baton_paged_decode_scores_f32, float, scores_rows_f32)
-SCORES_ENTRY(baton_paged_decode_scores_bf16, uint16_t, scores_rows_bf16)
-VALUES_ENTRY(baton_paged_decode_values_f32, float, values_rows_f32)
-VALUES_ENTRY(baton_paged_decode_values_bf16, uint16_t, values_rows_bf16)
+ATTEND_ENTRY(baton_paged_decode_attend_f32, float, attend_rows_f32)
+ATTEND_ENTRY(baton_paged_decode_attend_bf16, uint16_t, attend_rows_bf16)

@@ -49,7 +49,7 @@
  * roundings (no FMA: contraction off, -std=c11 plus -ffp-contract=off).
  *
  * Threads: each call splits its work into `parts` ranges on torch's OpenMP team (libgomp
- * resolves to the copy torch loaded, as in bf16_ops.c): the x rows to quantize, then the tiles
+ * resolves to the copy torch loaded, as in layer_ops.c): the x rows to quantize, then the tiles
  * of weight rows, contiguous ranges, in one parallel region. */
 #include <math.h>
 #include <stdint.h>

@@ -1,0 +1,361 @@
+/* GGUF-quantized weights regrouped into tiles of 16 rows, and the int8 linear over them, CPU:
+ * y[M, N] = x[M, K] . dequant(W)[N, K]^T (+ b), as baton_quant_linear (quant_linear.c) computes
+ * it, with the same one error (x rounded to int8 per block of 32), from a layout that lets one
+ * 512-bit vector hold sixteen weight rows.
+ *
+ * Why: in quant_linear.c's row layout a vector holds four rows' block (four lanes each), so every
+ * (block, x row) pair costs two vpdpbusd and three or four float ops (convert, scale, FMA, Q4_1's
+ * m) per four rows, plus the broadcasts of x. Here lane r of a vector is weight row r, each
+ * vpdpbusd adds four of its products, and x's four bytes come in as the instruction's broadcast
+ * memory operand: eight vpdpbusd complete sixteen rows' block, and the float work (convert,
+ * scale, FMA) is paid once per sixteen rows instead of once per four.
+ *
+ * The tile of 16 rows g*16 .. g*16+15 and block b (row r of the tile is lane r), in the order
+ * the kernel reads it; tiles of one group of rows follow each other along K, so a group's
+ * bytes are 16 of the rows' bytes, and the tensor keeps its [rows, row_bytes] shape (rows
+ * padded to a multiple of 16 with zero bytes: scale 0, outputs 0, never stored):
+ *   Q4_0 (288 bytes): fp16 d[16]; 4 chunks of 64 bytes, lane r of chunk c = qs_r[4c .. 4c+3]
+ *   Q4_1 (320 bytes): fp16 d[16], fp16 m[16]; the same 4 chunks
+ *   Q8_0 (544 bytes): fp16 d[16]; 8 chunks of 64 bytes, lane r of chunk c = q_r[4c .. 4c+3]
+ *                     with each byte's top bit flipped (q + 128, unsigned)
+ * A Q4 chunk's low nibbles are elements 4c..4c+3 of the block, its high ones 16+4c..16+4c+3.
+ * vpdpbusd multiplies unsigned (the weights: nibbles, or Q8_0's q + 128) by signed bytes (x), so
+ * the integer dot of a (row, block) starts at a term of x's block sum sx that undoes the
+ * offset: -8 sx (Q4_0), -128 sx (Q8_0); Q4_1 adds m * dx * sx in fp32 instead.
+ *
+ * Every output's sum is computed the same way whatever call, batch or thread it came in: lane r
+ * adds its blocks in order, (dot * (d * dx)) then, for Q4_1, m * (dx * sx), by FMA.
+ *
+ * A group's tiles meet the x rows 16 at a time (a decode batch of 16 reads each tile once), and
+ * the next group's tiles are asked for while one group is computed: in a decode step the
+ * weights come from memory, each layer's once, and the hardware prefetcher alone left the
+ * kernel waiting at the start of every group.
+ *
+ * The kernel needs AVX-512 VNNI (Ice Lake, Sapphire Rapids, Zen 4); other builds report no tile
+ * rows (baton_quant_tile_rows() == 0) and the weights keep their row layout. The regrouping and
+ * the dequantize of a tiled weight (all rows, or some by index: an embedding's lookup) are
+ * portable C, the dequantize bit-equal to gguf-py's (contraction off: (d * q) + m rounds twice).
+ *
+ * Threads: each call splits its work into `parts` ranges on torch's OpenMP team (libgomp
+ * resolves to the copy torch loaded, as in quant_linear.c): the x rows to quantize, then the
+ * groups of 16 weight rows, contiguous ranges, in one parallel region. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define TR 16 /* weight rows per tile */
+#define QT_Q4_0 2
+#define QT_Q4_1 3
+#define QT_Q8_0 8
+#define INLINE static inline __attribute__((always_inline))
+
+static int64_t block_bytes(int64_t qtype)
+{
+    return qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_0 ? 18 : qtype == QT_Q4_1 ? 20 : 0;
+}
+
+/* Bytes before a tile's quants: d[16], and m[16] for Q4_1. */
+static int64_t scale_bytes(int64_t qtype) { return qtype == QT_Q4_1 ? 4 * TR : 2 * TR; }
+
+static inline uint16_t rd16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* IEEE half -> float, exact (subnormals, inf, NaN payloads included). */
+static inline float f16_to_f32(uint16_t h)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            uint32_t shift = 0;
+            while (!(man & 0x400u)) {
+                man <<= 1;
+                shift++;
+            }
+            bits = sign | ((113u - shift) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Layout: rows <-> tiles.
+ */
+
+/* Byte j of (row `lane`'s) block in the tile, as an offset into the tile: the inverse of the
+ * layout above, one function for both directions. */
+static int64_t tile_offset(int64_t qtype, int64_t lane, int64_t j)
+{
+    if (j < 2) return 2 * lane + j; /* d */
+    if (qtype == QT_Q4_1 && j < 4) return 2 * TR + 2 * lane + (j - 2); /* m */
+    const int64_t q = j - (qtype == QT_Q4_1 ? 4 : 2); /* the quant byte's index in the block */
+    return scale_bytes(qtype) + (q / 4) * 4 * TR + 4 * lane + q % 4;
+}
+
+/* dst (ceil(n / 16) * 16 rows of row_bytes) = the tiles of src's n rows; pad rows zero. */
+int baton_quant_tiles_pack(const uint8_t *src, int64_t qtype, int64_t n, int64_t k, uint8_t *dst)
+{
+    const int64_t bb = block_bytes(qtype), nb = k / QK;
+    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t groups = (n + TR - 1) / TR, tile = TR * bb;
+    memset(dst, 0, (size_t)(groups * tile * nb));
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t g = r / TR, lane = r % TR;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + (r * nb + b) * bb;
+            uint8_t *t = dst + (g * nb + b) * tile;
+            for (int64_t j = 0; j < bb; j++) {
+                const uint8_t flip = qtype == QT_Q8_0 && j >= 2 ? 0x80 : 0;
+                t[tile_offset(qtype, lane, j)] = blk[j] ^ flip;
+            }
+        }
+    }
+    return 0;
+}
+
+/* dst (n rows of row_bytes) = rows ids[i] (i < n; ids NULL: rows 0 .. n-1) of the tiled src. */
+int baton_quant_tiles_unpack(const uint8_t *src, int64_t qtype, int64_t k, const int64_t *ids,
+                             int64_t n, uint8_t *dst)
+{
+    const int64_t bb = block_bytes(qtype), nb = k / QK;
+    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t tile = TR * bb;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = ids ? ids[i] : i, g = r / TR, lane = r % TR;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *t = src + (g * nb + b) * tile;
+            uint8_t *blk = dst + (i * nb + b) * bb;
+            for (int64_t j = 0; j < bb; j++) {
+                const uint8_t flip = qtype == QT_Q8_0 && j >= 2 ? 0x80 : 0;
+                blk[j] = t[tile_offset(qtype, lane, j)] ^ flip;
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[i, :] (k floats) = dequant(row ids[i]) of the tiled w (ids NULL: rows 0 .. n-1), with
+ * gguf-py's arithmetic: d * (nib - 8), d * q, (d * nib) + m. */
+int baton_quant_tiles_dequantize(const uint8_t *w, int64_t qtype, int64_t k, const int64_t *ids,
+                                 int64_t n, float *out, int64_t parts)
+{
+    const int64_t bb = block_bytes(qtype), nb = k / QK;
+    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t tile = TR * bb, sb = scale_bytes(qtype);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = ids ? ids[i] : i, g = r / TR, lane = r % TR;
+        float *o = out + i * k;
+        for (int64_t b = 0; b < nb; b++, o += QK) {
+            const uint8_t *t = w + (g * nb + b) * tile;
+            const float d = f16_to_f32(rd16(t + 2 * lane));
+            const uint8_t *q = t + sb + 4 * lane;
+            if (qtype == QT_Q8_0) {
+                for (int j = 0; j < QK; j++)
+                    o[j] = (float)(int8_t)(q[(j / 4) * 4 * TR + j % 4] ^ 0x80) * d;
+            } else if (qtype == QT_Q4_1) {
+                const float m = f16_to_f32(rd16(t + 2 * TR + 2 * lane));
+                for (int j = 0; j < 16; j++) {
+                    const uint8_t byte = q[(j / 4) * 4 * TR + j % 4];
+                    const float lo = d * (float)(byte & 15), hi = d * (float)(byte >> 4);
+                    o[j] = lo + m;
+                    o[j + 16] = hi + m;
+                }
+            } else {
+                for (int j = 0; j < 16; j++) {
+                    const uint8_t byte = q[(j / 4) * 4 * TR + j % 4];
+                    o[j] = d * (float)((int)(byte & 15) - 8);
+                    o[j + 16] = d * (float)((int)(byte >> 4) - 8);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The int8 kernel over tiles.
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TILE_PATH "avx512-vnni"
+#define TILE_ROWS TR
+#define MR 16 /* x rows a pass over a group's tiles: a decode batch of 16 reads each tile once */
+
+/* One x block: its 32 int8 values as eight dwords (one per vpdpbusd), the scale, and the
+ * offset term: -8 sx or -128 sx (int32) as the dot's start, Q4_1's dx * sx (float). */
+typedef struct {
+    int32_t q[8];
+    float dx;
+    union {
+        int32_t i;
+        float f;
+    } aux;
+} xblock;
+
+/* Per block of 32: dx = amax / 127, xq = round(x / dx), as quant_linear.c's quant_row. */
+static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+        const float d = nan ? NAN : amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        const int32_t sx = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        const __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
+        _mm256_storeu_si256((__m256i *)out[b].q, q);
+        out[b].dx = d;
+        if (qtype == QT_Q4_1)
+            out[b].aux.f = d * (float)sx;
+        else
+            out[b].aux.i = (qtype == QT_Q8_0 ? -128 : -8) * sx;
+    }
+}
+
+/* acc + w . (the dword at x, broadcast), with the broadcast as vpdpbusd's memory operand: GCC
+ * loads it into a register first, one more instruction per dot. */
+INLINE __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t *x)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* One group's 16 rows (tiles from g, nb of them) times x rows xp[0, mr) (nb blocks apart) into
+ * y[0, mr)[0, nvalid) (ldy apart), + bias[0, nvalid) if given; `next` (or NULL): the next
+ * group's tiles, asked for into L1 while these are computed. qtype is a constant where this is
+ * inlined. */
+INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int64_t nb,
+                       const xblock *xp, int nvalid, float *y, int64_t ldy, const float *bias,
+                       const uint8_t *next)
+{
+    const int64_t tile = TR * block_bytes(qtype), sb = scale_bytes(qtype);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MR];
+    for (int m = 0; m < mr; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *t = g + b * tile;
+        if (next)
+            for (int64_t line = 0; line < tile; line += 64)
+                _mm_prefetch((const char *)(next + b * tile + line), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        const __m512 mv = qtype == QT_Q4_1
+                              ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 2 * TR)))
+                              : _mm512_setzero_ps();
+        __m512i wv[8];
+        if (qtype == QT_Q8_0) {
+            for (int c = 0; c < 8; c++) wv[c] = _mm512_loadu_si512(t + sb + 64 * c);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(t + sb + 64 * c);
+                wv[c] = _mm512_and_si512(v, low);
+                wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            const xblock *x = xp + m * nb + b;
+            __m512i dot = qtype == QT_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux.i);
+            for (int c = 0; c < 8; c++)
+                dot = dpbusd_bcst(dot, wv[c], x->q + c);
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x->dx));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+            if (qtype == QT_Q4_1) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->aux.f), acc[m]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << nvalid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int m = 0; m < mr; m++)
+        _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_add_ps(acc[m], bv));
+}
+
+/* Each weight type compiled on its own; the x rows a run-time loop: sixteen rows' accumulators
+ * do not fit the registers beside the weights, and in L1 they cost nothing (each is read and
+ * written once a block). */
+#define GROUP_FN(NAME, QT)                                                                       \
+    static void NAME(const uint8_t *g, int64_t nb, const xblock *xp, int mr, int nvalid,         \
+                     float *y, int64_t ldy, const float *bias, const uint8_t *next)               \
+    {                                                                                            \
+        group_rows(QT, mr, g, nb, xp, nvalid, y, ldy, bias, next);                               \
+    }
+GROUP_FN(group_q4_0, QT_Q4_0)
+GROUP_FN(group_q4_1, QT_Q4_1)
+GROUP_FN(group_q8_0, QT_Q8_0)
+typedef void (*group_fn)(const uint8_t *, int64_t, const xblock *, int, int, float *, int64_t,
+                         const float *, const uint8_t *);
+
+/* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w)^T + bias (or NULL), w the
+ * tiles of n rows. 0; -1 for an unknown type or k not a multiple of 32; -2 if the quantized x
+ * cannot be allocated. */
+int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                             const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
+                             int64_t parts)
+{
+    const int64_t bb = block_bytes(qtype), nb = k / QK;
+    if (bb == 0 || k % QK || k == 0) return -1;
+    if (m == 0 || n == 0) return 0;
+    const group_fn fn = qtype == QT_Q4_0 ? group_q4_0 : qtype == QT_Q4_1 ? group_q4_1 : group_q8_0;
+    xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));
+    if (xp == NULL) return -2;
+    const int64_t groups = (n + TR - 1) / TR, group_bytes = TR * nb * bb;
+#pragma omp parallel num_threads(parts) if (parts > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quant_row(x + r * ldx, nb, qtype, xp + r * nb);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * TR;
+            const int nvalid = (int)(n - n0 < TR ? n - n0 : TR);
+            for (int64_t m0 = 0; m0 < m; m0 += MR) {
+                const int mr = (int)(m - m0 < MR ? m - m0 : MR);
+                const uint8_t *next =
+                    m0 == 0 && g + 1 < groups ? w + (g + 1) * group_bytes : NULL;
+                fn(w + g * group_bytes, nb, xp + m0 * nb, mr, nvalid, y + m0 * n + n0, n,
+                   bias ? bias + n0 : NULL, next);
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+#else
+#define TILE_PATH "none"
+#define TILE_ROWS 0
+
+int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                             const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
+                             int64_t parts)
+{
+    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
+    (void)parts;
+    return -3;
+}
+#endif
+
+/* Rows a tile holds where this build has the kernel; 0: weights keep their row layout. */
+int64_t baton_quant_tile_rows(void) { return TILE_ROWS; }
+
+const char *baton_quant_tiles_path(void) { return TILE_PATH; }

@@ -1,0 +1,170 @@
+"""GGUF weights regrouped into tiles of 16 rows (shared/runtime/csrc/quant_tiles.c) and their
+int8 kernel: the layout against a torch reference of it, byte for byte; the round trip back to
+rows; the dequantize of a tiled weight bit for bit with gguf-py's; the kernel within the int8
+rounding bound of ``x @ dequantize(W).T`` (test_quant_linear.py's), equal to the row layout's
+kernel up to the fp32 sums' order, and the same bits whatever the threads, batch or tile; a tiled
+QuantWeight serving every method as before. Where the build has no tiled kernel (BATON_CPU_ISA
+below native, a CPU without AVX-512 VNNI) weights keep their rows: checked in test_other_builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.runtime import cpu_quant_linear
+from shared.runtime.cpu_quant_linear import QuantKernels, QuantWeight, load_quant_kernels
+from shared.runtime.quant_formats import BLOCK, QuantType, block_bytes, dequantize, quantize
+from tests.runtime.helpers import built_or_skip, torch_threads
+from tests.runtime.test_quant_linear import (
+    ROWS,
+    TYPES,
+    Linear,
+    _check_int8,
+    _check_non_finite,
+    _random_blocks,
+)
+
+TR = 16  # rows a tile holds
+
+
+@pytest.fixture(scope="module")
+def kernels() -> QuantKernels:
+    k = built_or_skip(load_quant_kernels(), "torch's dequantize + F.linear")
+    if k.tile_rows == 0:
+        pytest.skip(f"this build ({k.tiles_isa}) has no tiled kernel: weights keep their rows")
+    assert k.tile_rows == TR
+    return k
+
+
+def _tiles_reference(raw: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
+    """The tiled layout in torch (the C file's comment): per group of 16 rows and block, the
+    16 d (and 16 m), then the quants in chunks of 4 bytes a row, Q8_0's top bits flipped; rows
+    padded with zero bytes."""
+    n, nb, bb = raw.shape[0], k // BLOCK, block_bytes(qtype)
+    head = 4 if qtype == QuantType.Q4_1 else 2
+    groups = -(-n // TR)
+    blocks = torch.zeros(groups * TR, nb, bb, dtype=torch.uint8)
+    blocks[:n] = raw.view(n, nb, bb)
+    if qtype == QuantType.Q8_0:
+        blocks[:n, :, head:] ^= 0x80
+    blocks = blocks.view(groups, TR, nb, bb).transpose(1, 2)  # [group, block, lane, byte]
+    scales = blocks[..., :head].reshape(groups, nb, TR, head // 2, 2).transpose(2, 3)
+    quants = blocks[..., head:]
+    chunks = quants.reshape(groups, nb, TR, -1, 4).transpose(2, 3)  # [.., chunk, lane, 4]
+    tile = torch.cat([scales.reshape(groups, nb, -1), chunks.reshape(groups, nb, -1)], dim=2)
+    return tile.reshape(groups * TR, nb * bb)
+
+
+def _tiled_linear(kernels: QuantKernels) -> Linear:
+    """QuantKernels.linear's arguments, run by the tiled kernel."""
+
+    def linear(
+        raw: torch.Tensor, qtype: QuantType, k: int, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        tiles = kernels.pack_tiles(raw, qtype, k)
+        return kernels.linear_tiles(tiles, qtype, raw.shape[0], k, x, bias)
+
+    return linear
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (16, 96), (33, 576), (577, 1536)])
+def test_layout_round_trip_and_dequantize(
+    kernels: QuantKernels, qtype: QuantType, n: int, k: int
+) -> None:
+    g = torch.Generator().manual_seed(n * 31 + k + int(qtype))
+    raw = _random_blocks(n, k, qtype, g)
+    tiles = kernels.pack_tiles(raw, qtype, k)
+    assert tiles.shape == (-(-n // TR) * TR, raw.shape[1])
+    assert torch.equal(tiles, _tiles_reference(raw, qtype, k))
+    assert torch.equal(kernels.unpack_tiles(tiles, qtype, k, n, None), raw)
+    ids = torch.randint(0, n, (5,), generator=g)
+    assert torch.equal(kernels.unpack_tiles(tiles, qtype, k, n, ids), raw[ids])
+    want = dequantize(raw, qtype, k)
+    out = torch.empty(n, k)
+    kernels.dequantize_tiles(tiles, qtype, k, out, n, None)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits: NaN, -0.0 too
+    picked = torch.empty(5, k)
+    kernels.dequantize_tiles(tiles, qtype, k, picked, n, ids)
+    assert torch.equal(picked.view(torch.int32), want[ids].view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [32, 64, 576, 1536])
+def test_int8_kernel_within_its_rounding_bound(
+    kernels: QuantKernels, qtype: QuantType, k: int
+) -> None:
+    linear = _tiled_linear(kernels)
+    for n in (1, 7, 16, 64, 192, 577):
+        _check_int8(linear, qtype, n, k, ROWS if n in (7, 577) else [1, 8, 17])
+
+
+def test_non_finite_x(kernels: QuantKernels) -> None:
+    _check_non_finite(_tiled_linear(kernels))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_row_layouts_kernel_up_to_summation_order(
+    kernels: QuantKernels, qtype: QuantType
+) -> None:
+    """The same rounding of x, the same integer dots: only the fp32 sums' order differs."""
+    g = torch.Generator().manual_seed(40 + int(qtype))
+    raw = quantize(torch.randn(200, 576, generator=g), qtype)
+    x = torch.randn(19, 576, generator=g)
+    tiled = _tiled_linear(kernels)(raw, qtype, 576, x, None)
+    rows = kernels.linear(raw, qtype, 576, x, None)
+    w = dequantize(raw, qtype, 576)
+    tol = 1e-5 * (x.abs() @ w.abs().T)
+    assert bool(((tiled - rows).abs() <= tol).all())
+
+
+def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels) -> None:
+    g = torch.Generator().manual_seed(3)
+    for qtype in TYPES:
+        raw = quantize(torch.randn(577, 576, generator=g), qtype)
+        weight = QuantWeight(raw, qtype, 576, kernels)
+        assert weight.tile() and weight.tiled and weight.raw.shape[0] == 592
+        x = torch.randn(19, 576, generator=g)
+        with torch_threads(1):
+            one = weight.linear(x)
+        with torch_threads(2):
+            assert cpu_quant_linear.linear_parts(19, 577, 576) == 2
+            assert torch.equal(weight.linear(x), one)
+            assert torch.equal(weight.linear(x[:1]), one[:1])
+        for i in (0, 8, 18):  # alone, or in any tile of a batch: the same sums
+            assert torch.equal(weight.linear(x[i : i + 1]), one[i : i + 1])
+        fewer = QuantWeight(raw[:5], qtype, 576, kernels)
+        assert fewer.tile()
+        assert torch.equal(fewer.linear(x), one[:, :5])
+
+
+def test_a_tiled_weight_serves_every_method(kernels: QuantKernels) -> None:
+    g = torch.Generator().manual_seed(9)
+    raw = quantize(torch.randn(50, 96, generator=g), QuantType.Q4_1)
+    plain = QuantWeight(raw, QuantType.Q4_1, 96, kernels)
+    weight = QuantWeight(raw.clone(), QuantType.Q4_1, 96, kernels)
+    assert weight.tile() and weight.tile()  # once; again is a no-op
+    assert weight.nbytes == 64 * raw.shape[1] and "tiled" in repr(weight)
+    w = dequantize(raw, QuantType.Q4_1, 96)
+    assert torch.equal(weight.dequantize(), w)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    assert torch.equal(weight.rows(ids), w[ids])
+    with pytest.raises(IndexError):
+        weight.rows(torch.tensor([50]))
+    order = torch.tensor([7, 0, 33])
+    picked = weight.select_rows(order)
+    assert not picked.tiled and torch.equal(picked.raw, raw[order])
+    fused = QuantWeight.cat([weight, plain])
+    assert not fused.tiled and torch.equal(fused.raw, torch.cat([raw, raw]))
+    x = torch.randn(6, 96, generator=g)
+    bias = torch.randn(50, generator=g)
+    assert torch.equal(weight.linear(x, bias), kernels.linear_tiles(weight.raw, QuantType.Q4_1,
+                                                                    50, 96, x, bias))  # fmt: skip
+    bf16 = weight.linear(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16
+    many = torch.randn(cpu_quant_linear.INT8_MAX_ROWS + 1, 96, generator=g)
+    assert torch.equal(weight.linear(many, bias), F.linear(many, w, bias))  # dequantize + SGEMM
+    weight.small_mode = "f32"  # no fp32 kernel over tiles: dequantize + SGEMM, exact
+    assert torch.equal(weight.linear(x), F.linear(x, w))
+    assert not QuantWeight(raw, QuantType.Q4_1, 96, kernels=None).tile()  # the torch reference
