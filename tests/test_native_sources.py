@@ -19,3 +19,14 @@ from shared.runtime import cpu_argmax, cpu_attention, cpu_prefill_attention, cpu
 def test_c_source_exists(module: object) -> None:
     source = module.SOURCE  # type: ignore[attr-defined]
     assert source.is_file(), f"{module.__name__} compiles {source}, which is missing"
+
+
+def test_a_shared_header_is_part_of_each_librarys_key(tmp_path: object) -> None:
+    """Both quantized-linear sources read ggml_blocks.h: a library built before a change to it
+    must not be reused after (the cache key covers the headers a source includes)."""
+    from shared.native.build import source_texts
+    from shared.runtime.cpu_quant_linear import SOURCE, TILES_SOURCE
+
+    header = (SOURCE.parent / "ggml_blocks.h").read_text()
+    for source in (SOURCE, TILES_SOURCE):
+        assert source_texts(source)[1:] == [header], source

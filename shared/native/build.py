@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,7 +39,7 @@ def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path) -> Path
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        "\0".join((source.read_text(), " ".join(flags), version, cpu_signature())).encode()
+        "\0".join((*source_texts(source), " ".join(flags), version, cpu_signature())).encode()
     ).hexdigest()[:16]
     path = cache_dir / f"{source.stem}-{key}.so"
     if path.exists():
@@ -58,6 +59,14 @@ def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path) -> Path
             os.unlink(tmp)
     log.info("built a C library", path=str(path))
     return path
+
+
+def source_texts(source: Path) -> list[str]:
+    """The source and the local headers it includes (``#include "x.h"``, beside it): what a
+    library is built from, so a change to a shared header rebuilds every library using it."""
+    text = source.read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *((source.parent / h).read_text() for h in headers)]
 
 
 def load_library(
