@@ -1,11 +1,11 @@
 """The wire contract: one dataclass per message, msgpack encode/decode, explicit size limits.
 
 Client-facing shapes (``RequestMsg`` in, ``TokenReply`` / ``DoneReply`` / ``ErrorReply`` out) follow
-the fixed contract in DESIGN.md exactly. Internal messages (tokenizer → prefill → decode → detok)
-carry ``v`` = :data:`SCHEMA_VERSION`; a consumer refuses a version it does not know instead of
-guessing. Nothing here trusts a body: :func:`unpack` bounds sizes before msgpack allocates, and
-:func:`parse_request` turns every malformed request into a :class:`ProtocolError` whose ``code``
-is one of the contract's error codes.
+the client contract (docs/contract.md) exactly. Internal messages (tokenizer → prefill → decode →
+detok) carry ``v`` = :data:`SCHEMA_VERSION`; a consumer refuses a version it does not know instead
+of guessing. Nothing here trusts a body: :func:`unpack` bounds sizes before msgpack allocates, and
+:func:`parse_request` turns every malformed request into a :class:`ProtocolError` whose ``code`` is
+one of the contract's error codes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The contract's priority: an integer 0..9, higher served first (``../shared/DESIGN.md``).
+"""The contract's priority: an integer 0..9, higher served first (docs/contract.md).
 
 It travels twice: in the body and as the AMQP message priority, so the work queues are declared
 with ``x-max-priority`` = ``MAX_PRIORITY + 1`` levels (``queues.py``). The range is written here

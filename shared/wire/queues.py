@@ -1,6 +1,6 @@
 """The broker topology every party agrees on: queue and exchange names and their arguments.
 
-Part of the client contract (``../shared/DESIGN.md``): clients publish to ``baton.requests`` and
+Part of the client contract (docs/contract.md): clients publish to ``baton.requests`` and
 cancel on ``baton.control``. Every declarer uses the *same* arguments (a mismatch is a channel
 error), so they live here once.
 """

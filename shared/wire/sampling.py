@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-# The contract's default for a request that does not say (../shared/DESIGN.md).
+# The contract's default for a request that does not say (docs/contract.md).
 DEFAULT_MAX_TOKENS = 16
 
 
