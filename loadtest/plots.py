@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,7 @@ def grouped_bars(
             ax.set_yscale("log")
         if len(panel.series) > 1:
             ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 @dataclass(frozen=True)
@@ -94,6 +90,13 @@ def line_panels(path: Path, panels: Sequence[LinePanel], *, title: str = "") -> 
             ax.set_ylim(*panel.ylim)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    _save(fig, path, title)
+
+
+def _save(fig: Any, path: Path, title: str) -> None:
+    """Title, layout, write ``path`` (its folder made), close."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()
