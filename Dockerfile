@@ -65,14 +65,15 @@ COPY --from=deps /opt/venv /opt/venv
 WORKDIR /app
 
 # The project itself, installed editable: /app is both the import location and the repo layout,
-# so shared.config.REPO_ROOT is /app, the built-in model lives at /app/models/tiny and
-# `locust -f loadtest/locustfile.py` resolves from the working directory. The packages are the
-# ones pyproject.toml's packages.find includes.
+# so shared.config.REPO_ROOT is /app, the built-in model lives at /app/models/tiny, and
+# `locust -f loadtest/serving/locustfile.py` and `python -m deploy.permissions` (the compose
+# stack's broker set-up) resolve from the working directory.
 COPY pyproject.toml README.md ./
 COPY shared/ shared/
 COPY services/ services/
 COPY kernels/ kernels/
 COPY loadtest/ loadtest/
+COPY deploy/__init__.py deploy/permissions.py deploy/
 RUN pip install --no-deps --no-build-isolation -e .
 
 # Non-root user. Code stays root-owned (read-only to the services); only models/ is the user's,

@@ -5,7 +5,7 @@
 1. the Docker engine (``dockerd`` started if installed and down); the images built — on the
    official bases where Docker Hub answers, else on deploy/base-images.sh's, with torch from a
    local wheel where pip keeps one (its find-links, or ``--wheels``);
-2. ``.env`` written the documented way if missing (``python -m services.shell.permissions env``);
+2. ``.env`` written the documented way if missing (``python -m deploy.permissions env``);
 3. the CPU stack (compose.yaml + compose.cpu.yaml) up, on free host ports, every healthcheck
    passed;
 4. a completion and a streamed chat completion through the gateway with the ``openai`` client
@@ -44,7 +44,7 @@ from deploy.docker_stack import (
     pip_wheel_dirs,
     sh,
 )
-from loadtest.reply_log import ReplyLog
+from loadtest.faults.reply_log import ReplyLog
 from services.launcher import free_port_block
 from shared.client import BatonClient
 from shared.wire.messages import RequestMsg, SamplingParams
@@ -234,8 +234,8 @@ class CheckRun:
         env = build_inputs(wheels, ca)
         dotenv = REPO / ".env"
         if not dotenv.exists():
-            log("writing .env: python3 -m services.shell.permissions env > .env")
-            made = sh([sys.executable, "-m", "services.shell.permissions", "env"], quiet=True)
+            log("writing .env: python3 -m deploy.permissions env > .env")
+            made = sh([sys.executable, "-m", "deploy.permissions", "env"], quiet=True)
             dotenv.write_text(made.stdout)
         amqp_port, mgmt_port, gw_port = (free_port_block(3) + i for i in range(3))
         results = REPO / "loadtest" / "results" / "compose-check"

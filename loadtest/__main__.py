@@ -4,13 +4,15 @@
     python -m loadtest bench --spawn          # a tool, with its own options
     python -m loadtest longctx --help
 
-Each name runs a module's ``main`` (``python -m loadtest.<module>`` still works); ``overhead`` and
-``mixed`` are ``bench`` with ``--fixed-overhead`` / ``--mixed`` put first. A description is the
-first paragraph of the module's docstring, cut to a line, read without importing the module (the
-list costs no torch import). A module of ``loadtest/`` with a ``main`` and a ``__main__`` guard that
-the table does not name is listed under its own name, ``_`` as ``-`` (a new bench needs no entry
-here). Model shapes come from ``shared/models/tiny/builder.py``'s PRESETS (``loadtest/models.py``);
-request workloads and latency statistics from ``loadtest/workload.py``.
+One explicit table, by purpose: ``loadtest/serving/`` (a running Baton, through the broker or
+HTTP), ``loadtest/engine/`` (in process: steps, profiles, memory, parity), ``loadtest/faults/``
+(chaos, fuzz, burst onset). Each name runs a module's ``main`` (``python -m loadtest.<package>.
+<module>`` works too); ``overhead`` and ``mixed`` are ``bench`` with ``--fixed-overhead`` /
+``--mixed`` put first. A description is the first paragraph of the module's docstring, cut to a
+line, read without importing the module (the list costs no torch import). Model shapes come from
+``shared/models/tiny/builder.py``'s PRESETS (``loadtest/models.py``); request workloads and latency
+statistics from
+``loadtest/serving/workload.py``.
 """
 
 from __future__ import annotations
@@ -34,40 +36,52 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    # Serving benchmarks (a spawned or running Baton)
-    "bench": Command("bench"),
+    # loadtest/serving/: a spawned or running Baton, through the broker or over HTTP
+    "bench": Command("serving.bench"),
     "overhead": Command(
-        "bench", ("--fixed-overhead",), "bench --fixed-overhead: 1-token requests on an idle Baton"
+        "serving.bench",
+        ("--fixed-overhead",),
+        "bench --fixed-overhead: 1-token requests on an idle Baton",
     ),
     "mixed": Command(
-        "bench", ("--mixed",), "bench --mixed: short requests beside a burst of long prompts"
+        "serving.bench",
+        ("--mixed",),
+        "bench --mixed: short requests beside a burst of long prompts",
     ),
-    "gateway-overhead": Command("gateway_overhead"),
-    "exactly-once": Command("exactly_once_bench"),
-    "serve-bench": Command("serve_bench"),
-    # Engine and transport benchmarks (in process, no broker)
-    "longctx": Command("longctx"),
-    "layerwise": Command("layerwise_bench"),
-    "kv-dtype": Command("kv_cache_dtype"),
-    "handoff": Command("handoff_bench"),
-    "host-tier": Command("host_tier_bench"),
-    # Faults, advice, load generators
-    "chaos": Command("chaos"),
-    "fuzz": Command("fuzz.__main__", about="Bad-input fuzz of a running Baton (loadtest/fuzz/)"),
-    "pd-advice": Command("pd_advice"),
+    "serve-bench": Command("serving.serve_bench"),
+    "gateway-overhead": Command("serving.gateway_overhead"),
+    "exactly-once": Command("serving.exactly_once_bench"),
+    "pd-advice": Command("serving.pd_advice"),
     "locust": Command("", about="how to run the Locust users (AMQP and HTTP), which run on gevent"),
+    # loadtest/engine/: in process, no broker
+    "step-profile": Command("engine.step_profile"),
+    "longctx": Command("engine.longctx"),
+    "layerwise": Command("engine.layerwise_bench"),
+    "kv-dtype": Command("engine.kv_cache_dtype"),
+    "handoff": Command("engine.handoff_bench"),
+    "host-tier": Command("engine.host_tier_bench"),
+    "resume-stall": Command("engine.resume_stall"),
+    "engine-memory": Command("engine.engine_memory"),
+    "quant-linear": Command("engine.quant_linear_bench"),
+    "gguf-variants": Command("engine.gguf_variants"),
+    "real-model-parity": Command("engine.real_model_parity"),
+    "bf16-agreement": Command("engine.bf16_agreement"),
+    # loadtest/faults/
+    "chaos": Command("faults.chaos"),
+    "burst-onset": Command("faults.burst_onset"),
+    "fuzz": Command("faults.fuzz.__main__", about="Bad-input fuzz of a running Baton"),
 }
-# Runnable modules that are not tools: child processes of ``bench``.
-# Run by the bench, or in another virtualenv (llamacpp_baseline: llama-cpp-python's).
-INTERNAL = frozenset({"baselines", "vllm_baseline", "llamacpp_baseline"})
+# Runnable modules that are not tools: the bench's child processes, or run in another
+# virtualenv (llamacpp_baseline: llama-cpp-python's).
+INTERNAL = frozenset({"serving.vllm_baseline", "serving.llamacpp_baseline"})
 
 LOCUST = """The Locust users run under Locust's own command (gevent), not this one:
 
-    locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --csv loadtest/results/locust
-    locust -f loadtest/locust_http.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000
-    locust -f loadtest/locustfile.py,loadtest/locust_http.py ...   # both, side by side
+    locust -f loadtest/serving/locustfile.py --headless -u 8 -r 2 -t 60s --csv results/locust
+    locust -f loadtest/serving/locust_http.py --headless -u 8 -t 60s --host http://127.0.0.1:8000
+    locust -f loadtest/serving/locustfile.py,loadtest/serving/locust_http.py ...   # both
 
-Workload: BATON_LOCUST_INPUT_LEN / _OUTPUT_LEN / _PRIORITIES (see loadtest/locustfile.py)."""
+Workload: BATON_LOCUST_INPUT_LEN / _OUTPUT_LEN / _PRIORITIES (loadtest/serving/locustfile.py)."""
 
 
 def _parse(path: Path) -> ast.Module | None:
@@ -77,21 +91,16 @@ def _parse(path: Path) -> ast.Module | None:
         return None
 
 
-def _runnable(tree: ast.Module) -> bool:
+def runnable(tree: ast.Module) -> bool:
     has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
     guard = any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
     return has_main and guard
 
 
 def commands() -> dict[str, Command]:
-    """The table, plus every runnable module it does not name."""
-    out = dict(COMMANDS)
-    named = {c.module for c in COMMANDS.values()} | INTERNAL
-    for path in sorted(HERE.glob("*.py")):
-        tree = _parse(path)
-        if path.stem not in named and not path.stem.startswith("_") and tree and _runnable(tree):
-            out[path.stem.replace("_", "-")] = Command(path.stem)
-    return out
+    """The table (explicit: a new tool gets a line here; tests check that every runnable module
+    of loadtest/ has one, or is INTERNAL)."""
+    return dict(COMMANDS)
 
 
 def about(command: Command) -> str:
@@ -129,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if name == "locust":
         print(LOCUST)
         return 0
-    from shared.native import cpu_isa
+    from kernels.cpu import cpu_isa
 
     cpu_isa.apply(cpu_isa.current())  # BATON_CPU_ISA, before the tool loads torch
     module = importlib.import_module(f"loadtest.{command.module}")

@@ -6,7 +6,7 @@
 #    int8 packed-row decode with its full-precision window too), the engines on the Triton
 #    backend against the torch backend (int8 with a window and a sliding window among them), the host tier of the KV cache with pinned host memory
 #    (tests/runtime/test_kv_tiers.py, tests/engine/test_host_tier.py), the GPU memory metrics;
-# 2. the kernel benchmarks (kernels/bench.py);
+# 2. the kernel benchmarks (kernels/triton/bench.py);
 # 3. the cuda-ipc KV handoff between two real processes (1k tokens of a Llama-3.1-8B-shaped KV);
 # 4. what the host tier costs a decode step (python -m loadtest host-tier).
 # Writes under $OUT (default ./out; at most 8 files come back): env.txt, pytest.log, bench.json,
@@ -59,7 +59,7 @@ test_rc=${PIPESTATUS[0]}
 echo "pytest exit $test_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
 
 start=$(date +%s)
-timeout 90 "$PY" -m kernels.bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout 90 "$PY" -m kernels.triton.bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "bench exit $bench_rc after $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
 

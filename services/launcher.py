@@ -1,6 +1,7 @@
 """Start a whole local Baton (``python -m services up``) in its own RabbitMQ vhost.
 
-Used by the integration and fault tests and the benchmark (``loadtest/bench.py``): each run gets
+Used by the integration and fault tests and the benchmark (``loadtest/serving/bench.py``): each run
+gets
 a fresh vhost, so runs never see each other's queues, and the vhost (with everything in it) is
 deleted afterwards. Without ``rabbitmqctl`` (e.g. a remote broker) the given URL is used as is.
 The services started are the registry's (``services/shell/registry.py``).

@@ -48,7 +48,7 @@ class BatonConfig:
     # Broker users that may publish internal work (comma-separated; "" = no check, for one shared
     # user in development). A service dead-letters work from anyone else: RabbitMQ vouches for
     # a message's user_id, and any user that may publish to the default exchange reaches every
-    # queue. `python -m services.shell.permissions apply` prints the value for its users.
+    # queue. `python -m deploy.permissions apply` prints the value for its users.
     trusted_publishers: str = ""
     # Broker users whose ``drain`` on baton.control is honoured (comma-separated). With this or
     # trusted_publishers set, a drain from anyone else is logged and ignored; with neither (one
@@ -88,13 +88,13 @@ class BatonConfig:
     # two each, which mostly spun against each other.
     prefill_torch_threads: int = 0
     decode_torch_threads: int = 0
-    # Engines share the machine's cores by who has work (services/shell/cpu_share.py): before each
+    # Engines share the machine's cores by who has work (shared/engine/cpu_share.py): before each
     # step an engine takes all of its CPUs if no other engine of the deployment is busy, else an
     # equal share, and `services up` no longer pins them to halves. Off with an explicit
     # *_torch_threads (that count is kept). Measured figures in docs/engine.md ("CPUs").
     cpu_share: bool = True
     # With the cores shared (cpu_share), a decode step with work waits while prefill computes,
-    # for at most this long since decode's last step (services/shell/cpu_share.py
+    # for at most this long since decode's last step (shared/engine/cpu_share.py
     # `decode_yields`): a prefill wave keeps every core, decode's running sequences get a token
     # at least this often meanwhile. 0: decode never waits. Engines on their own cores never do.
     decode_yield_s: float = 0.5
@@ -119,10 +119,10 @@ class BatonConfig:
     # (docs/scheduling.md, "Depth and the burst onset"): a priority-9 request into a 400-request
     # flood, first-token p99 over 30 requests 30-50 ms at 0 against 16-25 ms at 10.
     step_nice: int = 10
-    # CPU attention in fp32 over a float cache: "auto" = the C kernels of shared/runtime/csrc for
+    # CPU attention in fp32 over a float cache: "auto" = the C kernels of kernels/cpu/csrc for
     # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use;
     # the torch path if no C compiler), "torch" = the torch path (SDPA for prefill). See
-    # shared/runtime/cpu_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
+    # kernels/cpu/ (paged_decode_attention.py, prefill_attention.py, argmax.py, rope.py).
     cpu_attention: str = "auto"
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512 on
     # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library
@@ -130,7 +130,7 @@ class BatonConfig:
     mkl_dispatch: str = "features"
     # The instruction sets native code may use: "native" (this CPU's), "avx2" (AVX2 + FMA: the C
     # kernels, MKL, oneDNN and ATen held to what an AMD Zen 3 or an older Intel has, bf16 then
-    # computed in fp32) or "portable" (the x86-64 baseline). See shared/native/cpu_isa.py.
+    # computed in fp32) or "portable" (the x86-64 baseline). See kernels/cpu/cpu_isa.py.
     cpu_isa: str = "native"
     # --- limits -------------------------------------------------------------------------------
     # The longest sequence (prompt and output) an engine serves; the model's
@@ -206,7 +206,7 @@ class BatonConfig:
     # joins the batch at the next step (shared/engine/kv_prefetch.py). Off: loaded synchronously
     # in the step that admits it.
     decode_kv_prefetch: bool = True
-    # --- scheduling policy (shared/scheduling/policy.py; docs/scheduling.md) -------------------
+    # --- scheduling policy (shared/flow_control/policy.py; docs/scheduling.md) -------------------
     # How often the tokenizer and prefill read the broker's queue depths (passive declares) and
     # prefill the spill store's size.
     policy_poll_interval_s: float = 0.25

@@ -2,7 +2,7 @@
 runs after this conftest loads and before any test module is collected).
 
 MKL's kernels: the session re-executes itself, before torch loads, with the kernel choice the
-services make (shared/native/mkl_dispatch.py), so HF's reference in this process and the
+services make (kernels/cpu/mkl_dispatch.py), so HF's reference in this process and the
 engines it compares against round alike. Output capture stops first: the new process would
 otherwise inherit pytest's capture files as its stdout and stderr.
 
@@ -22,8 +22,8 @@ import pytest
 # (tests/models/test_real_model.py).
 os.environ.setdefault("BATON_MODEL", "tiny-random")
 
+from kernels.cpu import cpu_isa, mkl_dispatch
 from shared.config import BatonConfig
-from shared.native import cpu_isa, mkl_dispatch
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.shell.permissions import ROLES, password_env
+from deploy.permissions import ROLES, password_env
 from services.shell.registry import SERVICES
 
 tomllib = pytest.importorskip("tomllib", reason="stdlib from Python 3.11")
@@ -34,7 +34,7 @@ REGISTERED = tuple(spec.name for spec in SERVICES)
 WORKERS = tuple(spec.name for spec in SERVICES if spec.pipeline)
 GPU_WORKERS = ("prefill", "decode")
 SECRET = "test-only-3f9a1c"
-# One broker user per party of services/shell/permissions.py, each with its own password.
+# One broker user per party of deploy/permissions.py, each with its own password.
 PASSWORDS = {"BATON_RABBITMQ_PASSWORD": SECRET} | {
     password_env(role): f"test-only-{role}" for role in ROLES
 }
@@ -237,7 +237,7 @@ def test_credentials(runner: list[str], variant: str) -> None:
     init = services["broker-init"]
     command = init["command"] if isinstance(init["command"], str) else " ".join(init["command"])
     assert "definitions --admin-user ops" in command and "/definitions/definitions.json" in command
-    assert " ".join(init["entrypoint"]) == "python -m services.shell.permissions"
+    assert " ".join(init["entrypoint"]) == "python -m deploy.permissions"
     assert _volume_mounts(init)["/definitions"] == _volume_mounts(broker)["/etc/rabbitmq/baton"]
     assert {k: v for k, v in _env(init).items() if k in PASSWORDS} == PASSWORDS
 
@@ -269,7 +269,7 @@ def test_loadtest_profile(runner: list[str]) -> None:
     command = command if isinstance(command, str) else " ".join(command)
     entrypoint = " ".join(loadtest["entrypoint"])
     assert entrypoint == "locust"
-    assert re.search(r"-f loadtest/locustfile\.py --headless -u 3 -r 4 -t 5s", command), command
+    assert re.search(r"-f loadtest/serving/locustfile\.py --headless -u 3 -r 4 -t 5s", command), command
     assert "--csv /results/baton" in command
     assert "/results" in {
         (v.split(":")[1] if isinstance(v, str) else v["target"]) for v in loadtest["volumes"]

@@ -1,6 +1,6 @@
 """Control from the right party only (services/shell/control_auth.py).
 
-With the per-role broker users of ``python -m services.shell.permissions``, a client tries what
+With the per-role broker users of ``python -m deploy.permissions``, a client tries what
 used to stop the whole system or another client's request: ``drain`` (only the operator's is
 honoured) and ``cancel`` of a request it did not publish (only the publisher's is honoured).
 Both are logged and ignored; the operator's drain then drains the workers. The rule itself is
@@ -18,7 +18,7 @@ import pytest
 
 from services.detokenizer.core import DetokenizerCore, Output
 from services.launcher import ServiceProcesses, fresh_vhost, wait_served
-from services.shell import permissions as perms
+from deploy import permissions as perms
 from services.shell.control_auth import ControlAuth
 from services.shell.registry import PIPELINE
 from shared.client import BatonClient

@@ -1,7 +1,7 @@
 """Every instruction-set path of the C kernels, on whatever CPU runs the suite.
 
 ``BATON_CPU_ISA=avx2`` / ``portable`` compile the kernels for AVX2 + FMA or for the x86-64
-baseline (shared/native/cpu_isa.py): the kernel tests run again in a session held to each, so
+baseline (kernels/cpu/cpu_isa.py): the kernel tests run again in a session held to each, so
 the paths an AVX2-only CPU takes are checked on an AVX-512 machine too. The whole suite runs
 under a setting with ``BATON_CPU_ISA=avx2 make test``.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.native import cpu_isa
+from kernels.cpu import cpu_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each C kernel's test (one file per op): test_cpu_<op>.py, the quantized linears, the int8 KV.

@@ -1,4 +1,4 @@
-"""The engines' shared thread budget (services/shell/cpu_share.py), on a real table file: alone an
+"""The engines' shared thread budget (shared/engine/cpu_share.py), on a real table file: alone an
 engine takes every core, busy together they split them, a dead or silent engine is ignored, and two
 deployments (or CPU sets) never see each other."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from services.__main__ import _engine_cpus
-from services.shell.cpu_share import TTL_S, CpuShareManager, fair_share, table_path
 from shared.config import BatonConfig
+from shared.engine.cpu_share import TTL_S, CpuShareManager, fair_share, table_path
 
 URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -52,7 +52,7 @@ def test_an_expired_heartbeat_is_ignored_and_its_slot_reused(table: Path) -> Non
 
 def test_a_killed_engines_busy_slot_is_ignored(table: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from services.shell.cpu_share import "
+        "import sys; from pathlib import Path; from shared.engine.cpu_share import "
         "CpuShareManager; CpuShareManager(Path(sys.argv[1]), 2).budget(busy=True)"
     )
     subprocess.run([sys.executable, "-c", code, str(table)], check=True, timeout=60)

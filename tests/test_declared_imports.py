@@ -46,8 +46,8 @@ SCOPES = {
 }
 # Imported by code that runs in another interpreter, never in Baton's environment.
 ELSEWHERE = {
-    "vllm": "loadtest/vllm_baseline.py runs in vLLM's own virtualenv (setup_vllm_baseline.sh)",
-    "llama_cpp": "loadtest/llamacpp_baseline.py runs in a virtualenv with llama-cpp-python",
+    "vllm": "loadtest/serving/vllm_baseline.py runs in vLLM's own virtualenv",
+    "llama_cpp": "loadtest/serving/llamacpp_baseline.py runs in a virtualenv with llama-cpp-python",
 }
 IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError"}
 

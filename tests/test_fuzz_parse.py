@@ -2,7 +2,7 @@
 ``parse_request`` either accept, within every documented limit, or raise ``ProtocolError`` with
 a contract error code — never anything else (the tokenizer would answer that ``internal``).
 
-The inputs are the request fuzz's own strategies (``loadtest/fuzz/strategies.py``), plus raw
+The inputs are the request fuzz's own strategies (``loadtest/faults/fuzz/strategies.py``), plus raw
 bytes and byte-flipped valid bodies. Derandomized: the same examples on every run.
 """
 
@@ -15,8 +15,8 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadtest.fuzz.cases import materialize
-from loadtest.fuzz.strategies import KNOWN_FIELDS, Bounds, Draft, drafts, junk
+from loadtest.faults.fuzz.cases import materialize
+from loadtest.faults.fuzz.strategies import KNOWN_FIELDS, Bounds, Draft, drafts, junk
 from shared.config import BatonConfig
 from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.messages import RequestMsg, unpack

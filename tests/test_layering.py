@@ -19,12 +19,13 @@ FLOORS: list[set[str]] = [
     {"shared.config_flags"},  # the config's command-line flags, built from its source
     {"shared.config"},
     # The wire contract and leaf utilities: they know nothing of engines or services.
-    {"shared.wire", "shared.native", "shared.observability", "shared.models", "kernels"},
+    {"shared.wire", "kernels.cpu", "shared.observability", "shared.models", "kernels"},
     {"shared.limits"},  # the length and stop rules, applied by tokenizer, schedulers and engines
     {"shared.kv_transfer", "shared.client"},
     {"shared.runtime"},  # model execution: runner, attention, block manager, sampler
-    {"shared.scheduling"},  # queues, budgets, policy
+    {"shared.scheduling"},  # in-engine batch scheduling: waiting queues, budgets, preemption
     {"shared.engine"},  # the engine core both engine services drive
+    {"shared.flow_control"},  # admission, prefetch windows, intake pause: between the services
     {"services.shell"},
     {"services.tokenizer", "services.prefill", "services.decode", "services.detokenizer"},
     # The optional HTTP front: its /tokenize is the tokenizer service's own PromptEncoder.

@@ -1,4 +1,4 @@
-"""Workload generation, percentiles, goodput and FLOP counting of loadtest/workload.py."""
+"""Workload generation, percentiles, goodput and FLOP counting of loadtest/serving/workload.py."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest import stage_profile as sp
-from loadtest.overhead import format_overhead
-from loadtest.reply_log import ReplyLog
-from loadtest.serving import metrics_ports
-from loadtest.vllm_baseline import parse_result, run_vllm_baseline
-from loadtest.workload import (
+from loadtest.engine import stage_profile as sp
+from loadtest.faults.reply_log import ReplyLog
+from loadtest.serving.driver import metrics_ports
+from loadtest.serving.overhead import format_overhead
+from loadtest.serving.vllm_baseline import parse_result, run_vllm_baseline
+from loadtest.serving.workload import (
     LoadMix,
     RequestResult,
     RequestSpec,
@@ -209,7 +209,7 @@ def test_parse_proc_stat_handles_odd_process_names() -> None:
 def test_service_name_from_cmdline() -> None:
     assert sp.service_name(["/usr/bin/python", "-m", "services", "decode", ""]) == "decode"
     assert sp.service_name(["python", "-m", "services"]) is None
-    assert sp.service_name(["python", "-m", "loadtest.bench"]) is None
+    assert sp.service_name(["python", "-m", "loadtest.serving.bench"]) is None
 
 
 METRICS_BEFORE = """# TYPE baton:forward_seconds histogram
@@ -319,9 +319,9 @@ def test_format_overhead_and_ports() -> None:
 
 
 def test_mixed_workload_phases_and_report(tmp_path: Path) -> None:
-    """loadtest/mixed.py: the burst phase is the steady one plus 10% long prompts arriving
+    """loadtest/serving/mixed.py: the burst phase is the steady one plus 10% long prompts arriving
     together; only short requests count; the report prints both ratios and plots."""
-    from loadtest import mixed
+    from loadtest.serving import mixed
 
     specs = mixed.phases(40, 8.0, 4096, frozenset({0, 1}), seed=3)
     steady, burst = specs["steady"], specs["burst"]
@@ -377,7 +377,12 @@ def test_loadtest_command_line_lists_and_finds_every_tool(capsys: pytest.Capture
     from loadtest import __main__ as cli
 
     table = cli.commands()
-    assert set(cli.COMMANDS) <= set(table)
+    modules = {c.module for c in table.values()} | cli.INTERNAL
+    for path in sorted(cli.HERE.rglob("*.py")):  # every runnable module has its line
+        tree = cli._parse(path)
+        name = ".".join(path.relative_to(cli.HERE).with_suffix("").parts)
+        if tree and cli.runnable(tree) and name != "__main__":
+            assert name in modules, f"loadtest/{name}: add it to loadtest/__main__.py's COMMANDS"
     assert cli.main([]) == 0
     listed = capsys.readouterr().out
     for name, command in table.items():
@@ -385,7 +390,8 @@ def test_loadtest_command_line_lists_and_finds_every_tool(capsys: pytest.Capture
         if name != "locust":
             assert callable(importlib.import_module(f"loadtest.{command.module}").main)
     assert not {"baselines", "vllm-baseline", "models", "plots"} & set(table)
-    assert table["overhead"] == cli.Command("bench", ("--fixed-overhead",), table["overhead"].about)
+    overhead = table["overhead"]
+    assert overhead == cli.Command("serving.bench", ("--fixed-overhead",), overhead.about)
     assert cli.main(["no-such-tool"]) == 2
     assert "no tool named" in capsys.readouterr().err
 
@@ -399,7 +405,7 @@ def test_hf_baseline_ignores_eos_as_baton_and_vllm_do() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loadtest.baselines import hf_baseline
+    from loadtest.serving.baselines import hf_baseline
     from tests.runtime.helpers import greedy, hf_greedy, tiny_model_dir, torch_threads
 
     model_dir = tiny_model_dir("llama", "bench")

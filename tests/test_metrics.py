@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.shell.polling import Poller
 from services.shell.service_metrics import ServiceMetrics
 from shared.config import BatonConfig
+from shared.engine.load import EngineLoad
 from shared.engine.outputs import EngineInfo, KVTransferStat, StepStats
 from shared.observability.http_server import MAX_LINE_BYTES, start_metrics_server
 from shared.observability.metrics import Metrics
-from shared.scheduling.load import EngineLoad
 
 # The names the brief, dashboards and docs/deploy.md rely on (vLLM's, with the baton: prefix).
 EXPECTED_FAMILIES = {

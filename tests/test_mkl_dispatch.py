@@ -1,4 +1,4 @@
-"""MKL's kernel choice (shared/native/mkl_dispatch.py): when the library applies, how the
+"""MKL's kernel choice (kernels/cpu/mkl_dispatch.py): when the library applies, how the
 environment is built, and that in a child process it really changes MKL's kernels."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.native import build, mkl_dispatch
+from kernels.cpu import build, mkl_dispatch
 
 AMD = build.cpu_vendor() == "AuthenticAMD"
 AVX512 = "avx512f" in build.cpu_signature().split()
 
 CHILD = """
 import hashlib, json, os, sys
-from shared.native import mkl_dispatch
+from kernels.cpu import mkl_dispatch
 mkl_dispatch.ensure(sys.argv[1])
 import torch
 g = torch.Generator().manual_seed(0)

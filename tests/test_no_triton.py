@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
 
     model_dir = tiny_model_dir("llama")
     sampling = SamplingParams(max_tokens=6, repetition_penalty=1.3, min_tokens=2)
-    # int8 through the C kernels and through torch (which quantizes with kernels.int8_ref)
+    # int8 through the C kernels and through torch (which quantizes with kernels.triton.int8_ref)
     setups = ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"},
               {"kv_cache_dtype": "int8", "cpu_attention": "torch"})
     for i, engines in enumerate(setups):

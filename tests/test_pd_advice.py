@@ -1,10 +1,11 @@
-"""P:D advice (loadtest/pd_advice.py) with synthetic metrics: which stage limits, and the ratio."""
+"""P:D advice (loadtest/serving/pd_advice.py) with synthetic metrics: which stage limits, and the
+ratio."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.pd_advice import (
+from loadtest.serving.pd_advice import (
     DECODE_DEPTH,
     FORWARD_S,
     GENERATED,

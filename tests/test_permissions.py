@@ -1,4 +1,4 @@
-"""Per-party broker users (services/shell/permissions.py): the regexes against the names the code
+"""Per-party broker users (deploy/permissions.py): the regexes against the names the code
 uses, the definitions document, and on the real RabbitMQ the whole pipeline with every service
 as its own user, a client-role user served end to end, and the refusals that make it least
 privilege (ACCESS_REFUSED, not just a missing queue)."""
@@ -25,7 +25,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelAccessRefused
 
 from services.launcher import LocalSystem, ServiceProcesses, fresh_vhost, wait_served
-from services.shell import permissions as perms
+from deploy import permissions as perms
 from services.shell.registry import PIPELINE
 from shared.client import BatonClient
 from shared.config import REPO_ROOT
@@ -126,7 +126,7 @@ def test_url_for_keeps_tls_settings() -> None:
 
 
 def test_cli_env_and_show() -> None:
-    run = [sys.executable, "-m", "services.shell.permissions"]
+    run = [sys.executable, "-m", "deploy.permissions"]
     env = subprocess.run([*run, "env"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     *lines, cookie = env.stdout.splitlines()
     assert len(lines) == len(perms.ROLES) + 1
@@ -143,7 +143,7 @@ def test_cli_definitions_file(tmp_path: Path) -> None:
         "BATON_RABBITMQ_PASSWORD": "a"
     }
     out = tmp_path / "definitions.json"
-    argv = [sys.executable, "-m", "services.shell.permissions", "definitions", "--admin-user",
+    argv = [sys.executable, "-m", "deploy.permissions", "definitions", "--admin-user",
             "ops", "--output", str(out), "--mode", "644"]  # fmt: skip
     subprocess.run(argv, cwd=REPO_ROOT, env=env, check=True, capture_output=True)
     assert stat.S_IMODE(out.stat().st_mode) == 0o644

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest import phase_cpu, roofline
-from loadtest.bench_args import SHAPES, parse_args
+from loadtest.engine import phase_cpu, roofline
 from loadtest.models import arch_of
+from loadtest.serving.bench_args import SHAPES, parse_args
 from shared.models.tiny.builder import PRESETS
 
 # A toy config small enough to check by hand.

@@ -12,10 +12,10 @@ import httpx
 import numpy as np
 import pytest
 
-from loadtest import http_load
-from loadtest.http_load import SseTimer
-from loadtest.serve_bench import parse_args, plot, table
-from loadtest.workload import (
+from loadtest.serving import http_load
+from loadtest.serving.http_load import SseTimer
+from loadtest.serving.serve_bench import parse_args, plot, table
+from loadtest.serving.workload import (
     RequestResult,
     RequestSpec,
     Slo,
@@ -250,7 +250,7 @@ def test_vllm_bench_reports_a_sigill_crash(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from loadtest.serve_targets import Server, vllm_bench
+    from loadtest.serving.serve_targets import Server, vllm_bench
 
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\nkill -ILL $$\n")

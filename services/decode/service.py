@@ -13,8 +13,9 @@ from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
 from shared.engine.build import build_decode_engine
+from shared.engine.cpu_share import CpuShareManager
 from shared.engine.decode import DecodeEngine
-from shared.scheduling.load import EngineLoad
+from shared.engine.load import EngineLoad
 from shared.wire.messages import HandoffMsg
 from shared.wire.queues import DECODE_QUEUE
 
@@ -24,7 +25,9 @@ class DecodeService(EngineService):
     queue = DECODE_QUEUE
     message_type = HandoffMsg
 
-    def __init__(self, config: BatonConfig, engine: DecodeEngine) -> None:
+    def __init__(
+        self, config: BatonConfig, engine: DecodeEngine, cpu_share: CpuShareManager | None = None
+    ) -> None:
         # Prefetch: the free batch slots plus a little headroom (the policy's ``decode_prefetch``,
         # at most a full batch plus that headroom). A handoff stays unacked while its sequence
         # runs, so the broker delivers only as slots free up; the backlog stays queued there,
@@ -34,13 +37,17 @@ class DecodeService(EngineService):
             engine,
             prefetch=config.max_num_seqs + config.decode_prefetch_headroom,
             event_hold_s=config.decode_event_hold_s,
+            cpu_share=cpu_share,
+            yield_s=config.decode_yield_s,
         )
-        self.yield_s = config.decode_yield_s
 
     def window(self, load: EngineLoad) -> int:
         self.shell.metrics.on_policy_times(self.policy.release_s, None)
         return self.policy.decode_prefetch(load)
 
 
-def build(config: BatonConfig) -> DecodeService:
-    return DecodeService(config, build_decode_engine(config, resolve_model_dir(config)))
+def build(config: BatonConfig, cpu_share: CpuShareManager | None = None) -> DecodeService:
+    """``cpu_share``: the thread budget this engine shares with the deployment's others."""
+    between_layers = cpu_share.rebalance if cpu_share is not None else None
+    engine = build_decode_engine(config, resolve_model_dir(config), between_layers=between_layers)
+    return DecodeService(config, engine, cpu_share)

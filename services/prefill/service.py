@@ -6,7 +6,7 @@ connector; this module only translates. A request that ends at its first token (
 ``max_tokens`` 1) gets no handoff. The input is acked once its first token and handoff are
 confirmed (``services/shell/engine_service.py``).
 
-Scheduling policy (``shared/scheduling/policy.py``): every ``policy_poll_interval_s`` the shell's
+Scheduling policy (``shared/flow_control/policy.py``): every ``policy_poll_interval_s`` the shell's
 poller reads the depths of ``baton.prefill`` and ``baton.decode`` and the spill store's size.
 From them and its own steps come its prefetch (the batch in the forward and the batches it
 forwards while a finished batch's acks come back; smaller as decode's backlog or the spill store
@@ -23,9 +23,10 @@ from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
 from shared.engine.build import build_prefill_engine
+from shared.engine.cpu_share import CpuShareManager
+from shared.engine.load import EngineLoad
 from shared.engine.prefill import PrefillEngine
-from shared.scheduling.load import EngineLoad
-from shared.scheduling.policy import Intake, prefill_window_cap
+from shared.flow_control.policy import Intake, prefill_window_cap
 from shared.wire.messages import PrefillMsg
 from shared.wire.queues import DECODE_QUEUE, PREFILL_QUEUE
 
@@ -35,12 +36,15 @@ class PrefillService(EngineService):
     queue = PREFILL_QUEUE
     message_type = PrefillMsg
 
-    def __init__(self, config: BatonConfig, engine: PrefillEngine) -> None:
+    def __init__(
+        self, config: BatonConfig, engine: PrefillEngine, cpu_share: CpuShareManager | None = None
+    ) -> None:
         super().__init__(
             config,
             engine,
             prefetch=prefill_window_cap(config),
             batch_wait=(config.prefill_batch_wait_s, config.prefill_batch_wait_max_s),
+            cpu_share=cpu_share,
         )
         # The shell's poller feeds the policy (the spill store's size only with a spill store).
         poller = self.shell.poller
@@ -68,5 +72,8 @@ class PrefillService(EngineService):
         return self.policy.prefill_intake(self.load).state is not Intake.PAUSED
 
 
-def build(config: BatonConfig) -> PrefillService:
-    return PrefillService(config, build_prefill_engine(config, resolve_model_dir(config)))
+def build(config: BatonConfig, cpu_share: CpuShareManager | None = None) -> PrefillService:
+    """``cpu_share``: the thread budget this engine shares with the deployment's others."""
+    between_layers = cpu_share.rebalance if cpu_share is not None else None
+    engine = build_prefill_engine(config, resolve_model_dir(config), between_layers)
+    return PrefillService(config, engine, cpu_share)

@@ -5,7 +5,7 @@ client role must, to cancel). So a message's kind alone proves nothing; its AMQP
 does — RabbitMQ refuses a ``user_id`` that is not the publishing connection's own:
 
 - ``drain`` stops intake of every drainable worker: only from an operator
-  (``BATON_OPERATORS``, the broker users of ``python -m services.shell.permissions``' operator
+  (``BATON_OPERATORS``, the broker users of ``python -m deploy.permissions``' operator
   role);
 - ``abort`` drops a request silently in the workers: only from a trusted publisher (the
   detokenizer sends them, ``BATON_TRUSTED_PUBLISHERS``);

@@ -8,7 +8,7 @@ stay unpinned. Unset, a service may run anywhere.
 
 ``python -m services up`` runs both engines on this machine. By default they are not pinned
 apart: they share every CPU and each takes, before a step, all of them while the other engine is
-idle and half while both are busy (``BATON_CPU_SHARE``, services/shell/cpu_share.py). Pinned to
+idle and half while both are busy (``BATON_CPU_SHARE``, shared/engine/cpu_share.py). Pinned to
 halves with one thread each (the default until 2026-12-05), a burst's prefill ran on one core
 while the other idled, then its decode did the same (Qwen2-0.5B shape, 16 x 128 -> 32 on 2
 cores: 3.5 s + 4.5 s); figures for both in docs/engine.md ("CPUs"). With ``BATON_CPU_SHARE=0``

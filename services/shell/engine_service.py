@@ -27,20 +27,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-import torch
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.shell.broker import Outgoing
-from services.shell.cpu_share import CpuShareManager
 from services.shell.cpus import check_nice, yield_thread_cpu
 from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
 from services.shell.shell import ServiceShell, ack, detok_events, requeue
 from shared.config import BatonConfig
+from shared.engine.cpu_share import CpuShareManager
 from shared.engine.engine import EngineCore
+from shared.engine.load import EngineLoad
 from shared.engine.outputs import AddResult, Handoff, NewRequest, StepOutput
-from shared.scheduling.load import EngineLoad
-from shared.scheduling.policy import SchedulingPolicy
+from shared.flow_control.policy import SchedulingPolicy
 from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.messages import (
     ControlMsg,
@@ -63,7 +62,7 @@ YIELD_POLL_S = 0.01
 
 
 @dataclass
-class Intake:
+class Received:
     """A decoded work message and the delivery to ack once its outcome is confirmed."""
 
     msg: Any  # PrefillMsg | HandoffMsg
@@ -82,11 +81,17 @@ class EngineService(ABC):
         prefetch: int,
         batch_wait: tuple[float, float] = (0.0, 0.0),
         event_hold_s: float = 0.0,
+        cpu_share: CpuShareManager | None = None,
+        yield_s: float = 0.0,
     ) -> None:
         """``prefetch``: the largest window this service ever wants (the per-consumer cap); the
         policy's answer (``window``) moves it below that after each step. ``batch_wait``: the
         quiet gap and the cap of :meth:`_gather` (seconds). ``event_hold_s``: how long a step's
-        token events may wait to share a message with later steps' (event_hold.py)."""
+        token events may wait to share a message with later steps' (event_hold.py).
+        ``cpu_share``: the thread budget shared with the deployment's other engines (the engine
+        was built with its ``rebalance`` between layers); None leaves torch's count alone.
+        ``yield_s``: how long a step may wait for a prefill wave (decode's BATON_DECODE_YIELD_S;
+        prefill never waits)."""
         self.config = config
         self.engine = engine
         self.batch_wait_s, self.batch_wait_max_s = batch_wait
@@ -95,17 +100,14 @@ class EngineService(ABC):
         self.policy = SchedulingPolicy(config)
         self.prefetch = PrefetchWindow(self.shell.broker, self.shell.metrics, prefetch)
         self.load = EngineLoad()  # after the last step
-        self.inbox: deque[Intake] = deque()  # received, not yet handed to the engine
-        self.inflight: dict[str, Intake] = {}  # handed to the engine; acked once retired
+        self.inbox: deque[Received] = deque()  # received, not yet handed to the engine
+        self.inflight: dict[str, Received] = {}  # handed to the engine; acked once retired
         self._aborts: deque[str] = deque()
         self._releases: deque[KVRelease] = deque()  # notices for KV this engine sent
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
-        # Set by the process that runs this service alone (services/__main__.py): the thread
-        # budget shared with the deployment's other engines. None: torch's count is left alone.
-        self.cpu_share: CpuShareManager | None = None
-        # Decode's BATON_DECODE_YIELD_S (set by DecodeService); prefill never waits.
-        self.yield_s = 0.0
+        self.cpu_share = cpu_share
+        self.yield_s = yield_s
         self._last_step_at = 0.0  # time.monotonic() after the last step
         # Every step on one thread of its own. torch's thread count (OpenMP's) is a setting of
         # the calling thread, and each calling thread keeps its own OpenMP team: steps spread
@@ -178,8 +180,6 @@ class EngineService(ABC):
             on_control=self._on_control, on_drain=self._give_back_inbox, idle=self._idle
         )
         await self.prefetch.start()
-        if self.cpu_share is not None:
-            self.engine.runner.between_layers = self.cpu_share.rebalance
         self._loop = asyncio.create_task(self._run())
         route = self.engine.info.release_route
         if route is not None:  # a pooled sender: receivers tell it when its pins may go
@@ -210,7 +210,7 @@ class EngineService(ABC):
         except ProtocolError as exc:
             await self._fail_unreadable(delivery, exc)
             return
-        self.inbox.append(Intake(msg, delivery))
+        self.inbox.append(Received(msg, delivery))
         self._wake.set()
 
     def _check_token_ids(self, msg: Any) -> None:
@@ -360,7 +360,7 @@ class EngineService(ABC):
                 if aborted is not None:
                     self.shell.publish_then_ack([], [aborted.delivery], "abort")
 
-    def _add(self, item: Intake, now: float) -> None:
+    def _add(self, item: Received, now: float) -> None:
         rid = item.msg.request_id
         req = self.to_request(item.msg)
         result = self.engine.add(req, now)
@@ -371,7 +371,7 @@ class EngineService(ABC):
             # twice upstream): keep the newest delivery unacked — the older one's channel may
             # be gone — and ack the other.
             old = self.inflight[rid]
-            self.inflight[rid] = Intake(old.msg, item.delivery)
+            self.inflight[rid] = Received(old.msg, item.delivery)
             self.shell.spawn(ack(old.delivery))
         elif result is AddResult.TOO_LONG:
             n = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -387,12 +387,6 @@ class EngineService(ABC):
         if out.stats is not None:
             stats = out.stats
             self.policy.observe_step(stats.forward_s, stats.num_seqs, stats.num_scheduled_tokens)
-            # The cores each phase used (docs/engine.md, "CPUs"): the shared budget's count, or
-            # the fixed one of a pinned engine.
-            threads = self.cpu_share.threads if self.cpu_share else torch.get_num_threads()
-            m = self.shell.metrics.metrics
-            m.engine_threads.set(threads)
-            m.forward_thread_seconds.inc(stats.forward_s * threads)
         if out.releases:
             self.publish_releases(out.releases)
         if not out and not self.events:

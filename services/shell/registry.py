@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from services.shell.common import Service
 from shared.config import BatonConfig
+
+if TYPE_CHECKING:
+    from shared.engine.cpu_share import CpuShareManager
 
 log = structlog.get_logger(__name__)
 
@@ -35,8 +39,12 @@ class ServiceSpec:
     runs_model: bool = False
     optional: bool = False  # `up` skips it, with a log line, when its module cannot be imported
 
-    def build(self, config: BatonConfig) -> Service:
-        service: Service = importlib.import_module(self.module).build(config)
+    def build(self, config: BatonConfig, cpu_share: CpuShareManager | None = None) -> Service:
+        """``cpu_share``: an engine service's thread budget (services/__main__.py)."""
+        module = importlib.import_module(self.module)
+        service: Service = (
+            module.build(config, cpu_share) if self.runs_model else module.build(config)
+        )
         return service
 
     def available(self) -> bool:

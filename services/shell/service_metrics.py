@@ -25,9 +25,9 @@ from shared.observability.http_server import start_metrics_server
 from shared.observability.metrics import Metrics
 
 if TYPE_CHECKING:
+    from shared.engine.load import EngineLoad
     from shared.engine.outputs import EngineInfo, KVTransferStat, StepOutput, StepStats
-    from shared.scheduling.load import EngineLoad
-    from shared.scheduling.policy import PrefillIntake
+    from shared.flow_control.policy import PrefillIntake
     from shared.scheduling.priority import PriorityState
     from shared.wire.messages import DoneReply, ErrorReply, StartInfo
 
@@ -159,6 +159,9 @@ class ServiceMetrics:
             budget = self.config.max_num_batched_tokens
             m.batch_token_utilization.observe(stats.num_scheduled_tokens / budget)
         m.forward_seconds.observe(stats.forward_s)
+        # The cores the step used (the shared budget's count, or a pinned engine's fixed one).
+        m.engine_threads.set(stats.num_threads)
+        m.forward_thread_seconds.inc(stats.forward_s * stats.num_threads)
         m.generation_tokens.inc(stats.num_generated_tokens)
         last_q, last_h = self._last_prefix
         if stats.prefix_queries_total > last_q:

@@ -8,7 +8,7 @@ registers one twice. ``max_tokens`` is
 clamped here, once, to what fits after the prompt (``Limits.clamp``); the priority is the body's
 when it has the field, else the AMQP header's clamped to 0..9 (``parse_request``).
 
-Scheduling policy (``shared/scheduling/policy.py``): ``overloaded`` while baton.prefill or
+Scheduling policy (``shared/flow_control/policy.py``): ``overloaded`` while baton.prefill or
 baton.decode holds its limit of requests (depths polled every ``policy_poll_interval_s``); the
 deadline is the default by length (base + per prompt token + per output token), shortened by the
 client's ``timeout_s``; a short prompt is published to baton.prefill with a boosted AMQP
@@ -31,8 +31,8 @@ from services.shell.common import resolve_model_dir
 from services.shell.shell import ServiceShell
 from services.tokenizer.core import PromptEncoder
 from shared.config import BatonConfig
+from shared.flow_control.policy import SchedulingPolicy
 from shared.limits import Limits
-from shared.scheduling.policy import SchedulingPolicy
 from shared.scheduling.priority import Prioritizer
 from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.messages import (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from shared.config import BatonConfig
@@ -14,24 +15,39 @@ from shared.runtime.model_runner import ModelRunner
 PREEMPTION_MODES = ("swap", "recompute")
 
 
-def build_prefill_engine(config: BatonConfig, model_dir: Path | None = None) -> PrefillEngine:
-    connector, runner = _connector_and_runner(config, "prefill", model_dir)
+def build_prefill_engine(
+    config: BatonConfig,
+    model_dir: Path | None = None,
+    between_layers: Callable[[int], None] | None = None,
+) -> PrefillEngine:
+    """``between_layers``: ModelRunner's hook between the layers of a forward."""
+    connector, runner = _connector_and_runner(config, "prefill", model_dir, None, between_layers)
     # A pooled transport maps the device pool only: prompts holding host blocks go by copy.
     copies = runner.host_tier is None or isinstance(connector, ShmConnector)
     return PrefillEngine(config, runner, connector, None if copies else spill_store(config))
 
 
 def build_decode_engine(
-    config: BatonConfig, model_dir: Path | None = None, kv_host_cache_bytes: int | None = None
+    config: BatonConfig,
+    model_dir: Path | None = None,
+    kv_host_cache_bytes: int | None = None,
+    between_layers: Callable[[int], None] | None = None,
 ) -> DecodeEngine:
-    """``kv_host_cache_bytes``: the host tier's size, exact (default ``kv_host_cache_mb``)."""
+    """``kv_host_cache_bytes``: the host tier's size, exact (default ``kv_host_cache_mb``);
+    ``between_layers``: ModelRunner's hook between the layers of a forward."""
     swap = make_swap_connector(config)  # before the model loads: a bad setting fails at once
-    connector, runner = _connector_and_runner(config, "decode", model_dir, kv_host_cache_bytes)
+    connector, runner = _connector_and_runner(
+        config, "decode", model_dir, kv_host_cache_bytes, between_layers
+    )
     return DecodeEngine(config, runner, connector, swap)
 
 
 def _connector_and_runner(
-    config: BatonConfig, role: str, model_dir: Path | None, kv_host_cache_bytes: int | None = None
+    config: BatonConfig,
+    role: str,
+    model_dir: Path | None,
+    kv_host_cache_bytes: int | None,
+    between_layers: Callable[[int], None] | None,
 ) -> tuple[KVConnector, ModelRunner]:
     connector = make_connector(config, role=role)
     if kv_host_cache_bytes is None:
@@ -42,6 +58,7 @@ def _connector_and_runner(
         allocate_kv_cache=connector.allocate_kv_cache,
         kv_host_cache_bytes=kv_host_cache_bytes,
         role=role,
+        between_layers=between_layers,
     )
     return connector, runner
 

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import structlog
+import torch
 
 from shared.config import BatonConfig
 from shared.engine.expiring import ExpiringIdSet
@@ -350,6 +351,7 @@ class EngineCore(ABC):
             swaps_in_total=swaps_in_total,
             preemptions_by_cause=preemptions_by_cause or {},
             prefetch_hits_total=prefetch_hits_total,
+            num_threads=torch.get_num_threads(),
         )
 
 

@@ -2,7 +2,7 @@
 its blocks on a background thread while the engine's current step runs.
 
 Without it the copy runs synchronously at the start of the step that admits the sequence, so
-that whole batch waits for it (the resume stall: ``loadtest/resume_stall.py``, figures in
+that whole batch waits for it (the resume stall: ``loadtest/engine/resume_stall.py``, figures in
 docs/scheduling.md). With it the step runs without the resumed sequence, which joins the batch
 at the next step, its KV already in place. The load's file read, dtype conversion and
 ``index_copy_`` release the GIL, so on a CPU they overlap the forward (on a GPU the copy is

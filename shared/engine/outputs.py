@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shared.engine.load import EngineLoad
 from shared.kv_transfer.connector import KVConnectorStats
-from shared.scheduling.load import EngineLoad
 from shared.wire.errors import ErrorCode
 from shared.wire.messages import KVDescriptor, KVRelease
 from shared.wire.sampling import SamplingParams
@@ -101,6 +101,7 @@ class StepStats:
     # decode: preemptions (swap or recompute) by cause: priority_slot | priority_kv | kv_full
     preemptions_by_cause: dict[str, int] = field(default_factory=dict)
     prefetch_hits_total: int = 0  # decode: resumed KV that landed before the step needing it
+    num_threads: int = 1  # torch's intra-op threads in the step's thread (the cores it used)
 
 
 @dataclass

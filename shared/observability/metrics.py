@@ -171,7 +171,7 @@ class Metrics:
             "Swapped-out KV loaded in the background that had landed before the step needing it.",
         )
 
-        # --- scheduling policy (shared/scheduling/policy.py; its inputs not already above:
+        # --- scheduling policy (shared/flow_control/policy.py; its inputs not already above:
         # queue_depth, num_requests_*, kv_blocks_free, spill_store_bytes) ---------------------
         self.admission_decisions = counter(
             "admission_decisions_total",

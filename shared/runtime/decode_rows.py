@@ -1,5 +1,5 @@
-"""Which pool rows a decode step's torch paths read, per sliding window (attention.py's
-``TorchDecodeMetadata``, attention_int8.py's ``TorchQuantDecodeMetadata``)."""
+"""Which pool rows a decode step's torch paths read, per sliding window (torch_backend.py's
+``TorchDecodeMetadata``, int8.py's ``TorchQuantDecodeMetadata``)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Tensor types: F32, F16 and BF16 are read as tensors of the model's dtype. Q8_0, Q4_0 and Q4_1
 are kept packed in GGML's block bytes (:class:`QuantWeight`, run by the C kernels of
-cpu_quant_linear.py) when ``packed``, else dequantized to the model's dtype (exact: the values
-gguf-py and transformers compute). Any other type (the K-quants, IQ-quants, ...) is refused at
-load with its name and the tensor's.
+kernels/cpu/quant_linear.py) when ``packed``, else dequantized to the model's dtype (exact: the
+values gguf-py and transformers compute). Any other type (the K-quants, IQ-quants, ...) is refused
+at load with its name and the tensor's.
 
 llama.cpp's converter permutes the rows of a Llama ``attn_q`` / ``attn_k`` weight for its
 interleaved RoPE; they are permuted back here (as transformers does), on the packed bytes too:
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.runtime.cpu_quant_linear import QuantWeight
+from kernels.cpu.quant_formats import PACKED_TYPES
+from kernels.cpu.quant_linear import QuantWeight
 from shared.runtime.gguf_file import read_tensor_index
 from shared.runtime.model_config import ModelConfig
-from shared.runtime.quant_formats import PACKED_TYPES
 
 # GGUF tensor name (after ``blk.N.``) -> the HF name (after ``layers.N.``).
 LAYER_NAMES = {

@@ -2,7 +2,7 @@
 
 ``BATON_KV_CACHE_DTYPE`` (vLLM's ``kv_cache_dtype``): ``auto`` keeps K/V in the model's dtype,
 exact; ``int8`` stores each row as D int8 values and one fp32 scale (per (token, head),
-symmetric, round half up: the rule of ``kernels/int8_kv.py``, whose torch reference this
+symmetric, round half up: the rule of ``kernels/triton/int8_kv.py``, whose torch reference this
 module calls, so the serving path and the kernels quantise identically).
 
 Packed layout: the int8 cache is ``[layers, 2, num_blocks, block_size, Hkv, D + 4]``; each row
@@ -80,13 +80,13 @@ class Int8KV:
         return head_dim + SCALE_BYTES
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels.int8_ref import quantize_kv_ref
+        from kernels.triton.int8_ref import quantize_kv_ref
 
         values, scale = quantize_kv_ref(x)
         return torch.cat((values, scale[..., None].view(torch.int8)), dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        from kernels.int8_ref import dequantize_kv_ref
+        from kernels.triton.int8_ref import dequantize_kv_ref
 
         return dequantize_kv_ref(*self.split(rows), dtype)
 

@@ -1,6 +1,6 @@
 """The forms a projection weight takes on CPU: transposed for few rows, packed for more.
 
-Which packed form: **oneDNN's** (shared/native/onednn_pack.py) where torch has oneDNN and the CPU
+Which packed form: **oneDNN's** (kernels/cpu/onednn_pack.py) where torch has oneDNN and the CPU
 runs the dtype natively: bf16 at every row count (AMX / avx512_bf16; 1.4x F.linear at 1-64 rows,
 equal at prefill's 2,048), fp32 at 4-48 rows (1.4-2.1x at decode's row counts on an AMX Xeon,
 2026-12-05; its table). Else **MKL's** (fp32, from 4 rows), measured on Zen 3 below. One packed
@@ -14,7 +14,7 @@ model (one thread, paged KV, weights cold as they are between steps):
 - **Transposed.** The weight is held as its contiguous transpose behind the usual ``[out, in]``
   view, so MKL runs ``x @ w`` with no transposed operand: 15-30% faster at decode row counts on
   Zen 4 (2026-11), equal for prefill.
-- **Packed** (shared/native/mkl_pack.py, where torch has MKL). MKL copies a plain weight into its
+- **Packed** (kernels/cpu/mkl_pack.py, where torch has MKL). MKL copies a plain weight into its
   kernel's panel layout on every call; a weight packed once skips that copy. Decode step,
   transposed against packed, ms (Zen 3, 2026-12-04, best of four alternations):
 
@@ -49,8 +49,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.native import mkl_pack, onednn_pack
-from shared.runtime.cpu_quant_linear import QuantWeight
+from kernels.cpu import mkl_pack, onednn_pack
+from kernels.cpu.quant_linear import QuantWeight
 from shared.runtime.model import Projection
 
 
@@ -69,7 +69,7 @@ MAX_PACKED_GROWTH = 1.25
 def exact_prefill(weight: QuantWeight, head: bool) -> None:
     """A GGUF weight in the prefill engine computes exactly (up to fp32 summation order), not
     with int8 activations: a prompt's forward has hundreds of rows, where dequantizing the
-    weight once and running SGEMM costs what the int8 kernel does (cpu_quant_linear.py), and
+    weight once and running SGEMM costs what the int8 kernel does (kernels/cpu/quant_linear.py), and
     the first token then agrees with the dequantized model wherever it is not a near-tie. The
     head serves one row per sequence: the fp32 kernel (dequantized in registers), not a 113 MB
     fp32 copy of a 135M model's vocabulary per wave."""

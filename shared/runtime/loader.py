@@ -16,9 +16,9 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from kernels.cpu import cpu_isa
+from kernels.cpu.quant_linear import QuantWeight
 from shared.models.gguf_model import gguf_path_of
-from shared.native import cpu_isa
-from shared.runtime.cpu_quant_linear import QuantWeight
 from shared.runtime.gguf_weights import Weight, cat_rows, read_gguf
 from shared.runtime.model import CausalLM, Projection
 from shared.runtime.model_config import ModelConfig

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.native.mkl_pack import PackedWeight
-from shared.native.onednn_pack import OneDnnWeight
+from kernels.cpu.layer_ops import LayerKernels
+from kernels.cpu.mkl_pack import PackedWeight
+from kernels.cpu.onednn_pack import OneDnnWeight
+from kernels.cpu.quant_linear import QuantWeight
+from kernels.cpu.rope import RopeKernel
 from shared.runtime.attention import AttentionMetadata, attention
-from shared.runtime.cpu_layer_ops import LayerKernels
-from shared.runtime.cpu_quant_linear import QuantWeight
-from shared.runtime.cpu_rope import RopeKernel
 from shared.runtime.model_config import ModelConfig
 
 
@@ -93,8 +93,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    # RoPE in place through C, set by the runner on CPU: fp32 (cpu_rope.py, bit-identical to
-    # apply_rope) or bf16 (cpu_layer_ops.py, one rounding).
+    # RoPE in place through C, set by the runner on CPU: fp32 (kernels/cpu/rope.py, bit-identical to
+    # apply_rope) or bf16 (kernels/cpu/layer_ops.py, one rounding).
     rope_kernel: RopeKernel | LayerKernels | None = None
 
     def __init__(self, cfg: ModelConfig, window: int | None = None):
@@ -138,7 +138,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    # SiLU * up through C (cpu_layer_ops.py); set by the runner (CausalLM.use_layer_kernels).
+    # SiLU * up through C (kernels/cpu/layer_ops.py); set by the runner
+    # (CausalLM.use_layer_kernels).
     kernels: LayerKernels | None = None
 
     def __init__(self, cfg: ModelConfig):
@@ -256,7 +257,7 @@ class CausalLM(nn.Module):
                 module.rope_kernel = kernel
 
     def use_layer_kernels(self, kernels: LayerKernels | None) -> None:
-        """Every RMSNorm and SiLU * up through ``kernels`` (cpu_layer_ops.py; None: torch's
+        """Every RMSNorm and SiLU * up through ``kernels`` (kernels/cpu/layer_ops.py; None: torch's
         ops); RoPE stays as :meth:`use_rope_kernel` set it."""
         for module in self.modules():
             if isinstance(module, (CausalLM, DecoderLayer, MLP)):

@@ -18,14 +18,14 @@ from typing import cast
 import structlog
 import torch
 
+from kernels.cpu import mkl_dispatch
+from kernels.cpu.argmax import load_argmax
+from kernels.cpu.layer_ops import load_layer_ops
+from kernels.cpu.rope import load_rope
 from shared.config import BatonConfig
 from shared.limits import Limits
 from shared.models.catalog import resolve_model
-from shared.native import mkl_dispatch
 from shared.runtime.attention import AttentionMetadata, select_backend
-from shared.runtime.cpu_argmax import load_argmax
-from shared.runtime.cpu_layer_ops import load_layer_ops
-from shared.runtime.cpu_rope import load_rope
 from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
@@ -41,11 +41,6 @@ KVCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.
 
 
 class ModelRunner:
-    # Called with the number of layers done, between the layers of every forward, in the
-    # forward's thread: the shared CPU budget follows the other engine's work there
-    # (services/shell/cpu_share.py). None: nothing runs between layers.
-    between_layers: Callable[[int], None] | None = None
-
     def __init__(
         self,
         config: BatonConfig,
@@ -53,13 +48,17 @@ class ModelRunner:
         allocate_kv_cache: KVCacheAllocator | None = None,
         kv_host_cache_bytes: int = 0,
         role: str | None = None,
+        between_layers: Callable[[int], None] | None = None,
     ):
         """``allocate_kv_cache``: where the cache lives when a KV connector must own its memory
         (a pooled transport exports it to the receiver); it returns None to leave it to us.
         ``kv_host_cache_bytes``: a host tier of that size beside the device pool (kv_tiers.py).
         ``role`` (prefill, decode): which forms of the weights this engine keeps
-        (linear_layout.py); None keeps every form."""
+        (linear_layout.py); None keeps every form. ``between_layers``: called with the number of
+        layers done, between the layers of every forward, in the forward's thread (the shared
+        CPU budget follows the other engine's work there: shared/engine/cpu_share.py)."""
         self.config = config
+        self.between_layers = between_layers
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         model_dir = Path(model_dir) if model_dir else resolve_model(config.model)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from kernels.cpu.argmax import torch_argmax
 from shared.runtime.logits_processors import History, apply_min_p, apply_min_tokens, penalize
 from shared.runtime.sequence import SamplingParams
 
@@ -81,8 +82,8 @@ class Sampler:
         eos_token_ids: Iterable[int] = (),
     ) -> None:
         """``argmax``: the greedy rows' answer for ``logits [N, V]`` (the C kernel of
-        cpu_argmax.py on CPU); default torch's ``max().indices``. ``eos_token_ids``: the model's,
-        masked with a row's stop_token_ids until it has ``min_tokens`` outputs."""
+        kernels/cpu/argmax.py on CPU); default torch's ``max().indices``. ``eos_token_ids``: the
+        model's, masked with a row's stop_token_ids until it has ``min_tokens`` outputs."""
         self._argmax = argmax or torch_argmax
         self.eos_token_ids = tuple(eos_token_ids)
 
@@ -167,12 +168,6 @@ class Sampler:
                 [p.frequency_penalty for p in params],
             )
         return logits
-
-
-def torch_argmax(logits: torch.Tensor) -> list[int]:
-    """Greedy rows: ``max().indices`` is argmax (first index among ties, as torch.argmax and HF),
-    ~3x faster than ``argmax`` on CPU."""
-    return logits.max(dim=-1).indices.tolist()
 
 
 # Each _sample_* takes temperature-scaled logits of its rows and returns one token per row.

@@ -7,7 +7,7 @@ pressure, its shortness add — and the choice of preemption victims. Pure: numb
 multiple of the median wait of the requests this worker recently started (never below a floor).
 A request that waited longer than ``horizon`` ranks ahead of every request that arrives after that
 moment, so its wait is bounded by the horizon plus the time to serve what arrived before it: a
-bounded multiple of the median (``tests/scheduling/test_policy_priority.py`` simulates it).
+bounded multiple of the median (``tests/flow_control/test_policy_priority.py`` simulates it).
 
 On the wire the effective priority is cut to the AMQP range 0..9 (:meth:`Prioritizer.wire_priority`,
 the one place a hop's priority is made: tokenizer, prefill's handoffs, decode's swapped-out

@@ -80,7 +80,7 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise _bad(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     # Replies carry it as their AMQP correlation_id, a short string: a longer one can never be
-    # published, and the detokenizer would retry that reply forever (found by loadtest.fuzz).
+    # published, and the detokenizer would retry that reply forever (found by loadtest.faults.fuzz).
     if len(rid.encode("utf-8", "surrogatepass")) > _MAX_REQUEST_ID_BYTES:
         raise _bad(f"request_id is longer than {_MAX_REQUEST_ID_BYTES} bytes in UTF-8")
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loadtest.reply_log import ReplyLog
+from loadtest.faults.reply_log import ReplyLog
 from services.launcher import ServiceProcesses, free_port_block, fresh_vhost
 from services.shell.registry import METRICS_ENDPOINTS, PIPELINE
 from shared.observability.http_server import read_metrics

@@ -15,7 +15,8 @@ first tenth is the target, a non-strict xfail — on two shared cores the flood 
 detokenizer, the broker and the client handle a few dozen done replies (95-115 ms against a
 first tenth at 90 ms in two runs of 2026-12-05; 22 ms against 222 ms in a third). (Its last
 token is decode's: with decode's batch full of the flood it waits for a slot, issue 28 item 1.)
-The ratio of its first token to the idle median is printed (``loadtest/burst_onset.py`` reports
+The ratio of its first token to the idle median is printed (``loadtest/faults/burst_onset.py``
+reports
 it over runs).
 """
 
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from loadtest.burst_onset import BURST_LEAD_S, FLOOD, FLOOD_OUTPUT, VIP_OUTPUT, burst_lead
-from loadtest.burst_onset import request as make_request
-from loadtest.reply_log import TimedReplies
+from loadtest.faults.burst_onset import BURST_LEAD_S, FLOOD, FLOOD_OUTPUT, VIP_OUTPUT, burst_lead
+from loadtest.faults.burst_onset import request as make_request
+from loadtest.faults.reply_log import TimedReplies
 from shared.wire.messages import DoneReply
 from tests.fault.harness import service_processes
 

@@ -4,7 +4,7 @@ moments, each restarted. Every request gets exactly one terminal reply, a ``done
 equal the undisturbed run's; no token position is repeated, missing or out of order; no KV block
 or spill entry is left. Seeded (``BATON_CHAOS_SEED``): a failure names its seed and replays
 with ``python -m loadtest chaos --minutes 0.75 --kills 20 --max-tokens 120 --requests 64
---seed <seed>``. The 10-minute run is the same module (loadtest/chaos.py).
+--seed <seed>``. The 10-minute run is the same module (loadtest/faults/chaos.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from loadtest.chaos import Plan, prompts, reference_tokens, replicated_system, run_chaos
+from loadtest.faults.chaos import Plan, prompts, reference_tokens, replicated_system, run_chaos
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

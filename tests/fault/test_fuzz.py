@@ -1,4 +1,4 @@
-"""The bad-input fuzz (``loadtest/fuzz``) in CI: a fixed seed, 150 client cases and every
+"""The bad-input fuzz (``loadtest/faults/fuzz``) in CI: a fixed seed, 150 client cases and every
 internal-queue case against the services as separate processes, with zero violations — each
 case answered once, with a contract error or a well-formed completion, or dead-lettered with a
 log line, and a known-good request served after every batch. ``-s`` shows the outcome table.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.fuzz import format_table, run_fuzz
+from loadtest.faults.fuzz import format_table, run_fuzz
 from tests.fault.harness import service_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

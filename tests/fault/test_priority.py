@@ -38,7 +38,7 @@ import aio_pika
 import pytest
 import pytest_asyncio
 
-from loadtest.reply_log import TimedReplies
+from loadtest.faults.reply_log import TimedReplies
 from shared.wire.messages import DoneReply, RequestMsg, SamplingParams
 from shared.wire.queues import DECODE_QUEUE
 from tests.fault.harness import scrape, service_processes

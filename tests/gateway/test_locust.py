@@ -1,6 +1,6 @@
 """Locust, headless for a few seconds, against the real system: the queue user
-(loadtest/locustfile.py, straight to ``baton.requests``) and the HTTP user
-(loadtest/locust_http.py, through the gateway). Each run must send requests and fail none: a
+(loadtest/serving/locustfile.py, straight to ``baton.requests``) and the HTTP user
+(loadtest/serving/locust_http.py, through the gateway). Each run must send requests and fail none: a
 locustfile that no longer speaks the contract, or a system that drops requests under a handful of
 concurrent users, fails here instead of in someone's load test.
 
@@ -23,7 +23,7 @@ from tests.gateway.conftest import Live
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-LOCUSTFILES = {"queue": "loadtest/locustfile.py", "http": "loadtest/locust_http.py"}
+LOCUSTFILES = {"queue": "loadtest/serving/locustfile.py", "http": "loadtest/serving/locust_http.py"}
 USERS, RUN_S = 4, 5
 
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from loadtest.reply_log import ReplyLog
+from loadtest.faults.reply_log import ReplyLog
 from shared.wire.messages import RequestMsg, SamplingParams
 from shared.wire.queues import detok_queue_for
 from tests.integration.conftest import running_system

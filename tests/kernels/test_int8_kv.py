@@ -4,7 +4,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.int8_kv import (
+from kernels.triton.int8_kv import (
     dequantize_kv,
     dequantize_kv_ref,
     paged_decode_attention_int8,
@@ -12,7 +12,7 @@ from kernels.int8_kv import (
     quantize_kv,
     quantize_kv_ref,
 )
-from kernels.paged_decode_attention import paged_decode_attention_ref
+from kernels.triton.paged_decode_attention import paged_decode_attention_ref
 from tests.kernels._utils import (
     ATTN_DTYPES,
     DEVICE,

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from kernels.int8_kv import (
+from kernels.triton.int8_kv import (
     paged_decode_attention_packed,
     paged_decode_attention_packed_ref,
     quantize_kv_ref,
 )
-from kernels.paged_decode_attention import FullPrecisionWindow
+from kernels.triton.paged_decode_attention import FullPrecisionWindow
 from tests.kernels._utils import DEVICE, assert_close, int32
 
 BS, HKV, D, SUB = 16, 2, 32, 4

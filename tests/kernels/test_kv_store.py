@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.kv_store import store_kv, store_kv_ref
+from kernels.triton.kv_store import store_kv, store_kv_ref
 from tests.kernels._utils import DEVICE, HEAD_DIM, ON_GPU
 
 

@@ -8,19 +8,20 @@ import pytest
 import torch
 
 import kernels
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
+from kernels.triton.paged_decode_attention import paged_decode_attention_ref
+from kernels.triton.prefill_attention import prefill_attention_ref
 from tests.kernels._utils import DEVICE, ON_GPU, assert_close, int32, make_paged_kv
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_entry_points_stay_functions_after_submodule_imports() -> None:
-    import kernels.prefill_attention  # noqa: F401 - the import must not rebind the name
+def test_entry_points_are_the_triton_modules_functions() -> None:
+    import kernels.triton.prefill_attention as module
 
+    assert kernels.prefill_attention is module.prefill_attention
     assert callable(kernels.paged_decode_attention)
-    assert callable(kernels.prefill_attention)
-    assert kernels.paged_decode_attention.__module__ == "kernels"
+    with pytest.raises(AttributeError):
+        kernels.no_such_kernel  # noqa: B018 - the lookup itself is what is tested
 
 
 def test_engine_entry_points_run() -> None:
@@ -66,7 +67,7 @@ def test_bench_skips_cleanly_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, "-m", "kernels.bench", "--out", str(out)],
+        [sys.executable, "-m", "kernels.triton.bench", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -79,7 +80,7 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     pytest.importorskip("triton.backends.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--quick"],
+        [sys.executable, "-m", "kernels.triton.compile_check", "--quick"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -4,7 +4,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.paged_decode_attention import (
+from kernels.triton.paged_decode_attention import (
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,

@@ -4,8 +4,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels.triton.paged_decode_attention import paged_decode_attention
+from kernels.triton.prefill_attention import prefill_attention, prefill_attention_ref
 from tests.kernels._utils import (
     ATTN_DTYPES,
     DEVICE,

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels.triton.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.triton.prefill_attention import prefill_attention, prefill_attention_ref
 from tests.kernels._utils import DEVICE, ON_GPU, assert_close, int32, make_paged_kv
 
 BS = 16

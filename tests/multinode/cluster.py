@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.shell.permissions import MIRROR_POLICY
+from deploy.permissions import MIRROR_POLICY
 
 START_TIMEOUT_S = 60.0
 # Debian's /usr/sbin wrappers re-run everything as the rabbitmq user with its HOME (and cookie);

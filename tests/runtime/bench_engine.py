@@ -18,8 +18,8 @@ import math
 import statistics
 import time
 
+from kernels.cpu import cpu_isa, mkl_dispatch
 from shared.config import BatonConfig
-from shared.native import cpu_isa, mkl_dispatch
 
 if __name__ == "__main__":  # the engine's MKL kernels, as the services choose them
     cpu_isa.apply(BatonConfig.from_env().cpu_isa)

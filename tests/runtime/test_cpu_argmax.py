@@ -1,4 +1,4 @@
-"""The C argmax (shared/runtime/cpu_argmax.py) against torch's: ties, NaN, infinities, tails past
+"""The C argmax (kernels/cpu/argmax.py) against torch's: ties, NaN, infinities, tails past
 a whole vector, strided rows, and what it hands to torch."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.runtime.cpu_argmax import ArgmaxKernel, load_argmax
-from shared.runtime.sampler import Sampler, torch_argmax
+from kernels.cpu.argmax import ArgmaxKernel, load_argmax, torch_argmax
+from shared.runtime.sampler import Sampler
 from shared.runtime.sequence import SamplingParams
 from tests.runtime.helpers import built_or_skip
 

@@ -1,4 +1,4 @@
-"""The C decode attention (shared/runtime/cpu_attention.py) against the fp64 reference and the
+"""The C decode attention (kernels/cpu/paged_decode_attention.py) against the fp64 reference and the
 torch path, over head sizes (specialised and generic), groups, block sizes and context lengths;
 its thread split, its input checks, its build cache and its fallback."""
 
@@ -11,15 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.native.build import build_library
-from shared.runtime import attention
-from shared.runtime.attention import (
-    CpuKernelDecodeMetadata,
-    TorchAttentionBackend,
-    TorchDecodeMetadata,
-    select_backend,
-)
-from shared.runtime.cpu_attention import FLAGS, SOURCE, DecodeKernel, KernelBatch, load_kernel
+from kernels.cpu.build import build_library
+from kernels.cpu.paged_decode_attention import FLAGS, SOURCE, DecodeKernel, KernelBatch, load_kernel
+from shared.runtime.attention import TorchAttentionBackend, select_backend, selector
+from shared.runtime.attention.cpu_kernels import CpuKernelDecodeMetadata
+from shared.runtime.attention.torch_backend import TorchDecodeMetadata
 from tests.runtime.helpers import built_or_skip, torch_threads
 
 CPU = torch.device("cpu")
@@ -171,9 +167,9 @@ def test_the_kernels_split_on_torchs_own_openmp_runtime(tmp_path: Path) -> None:
     """The C kernels' parts run on the OpenMP team torch's GEMMs use: the process maps one
     OpenMP runtime, torch's (a second one would start its own team beside torch's, and the
     two took turns on the same cores)."""
-    from shared.runtime.cpu_int8_attention import load_int8_kernel
-    from shared.runtime.cpu_layer_ops import load_layer_ops
-    from shared.runtime.cpu_prefill_attention import load_prefill_kernel
+    from kernels.cpu.layer_ops import load_layer_ops
+    from kernels.cpu.paged_decode_int8 import load_int8_kernel
+    from kernels.cpu.prefill_attention import load_prefill_kernel
 
     kernels = [load_kernel(tmp_path), load_prefill_kernel(tmp_path), load_int8_kernel(tmp_path),
                load_layer_ops(tmp_path)]  # fmt: skip
@@ -225,7 +221,7 @@ def test_without_a_compiler_the_torch_path_serves(
 ) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert load_kernel(tmp_path / "cache") is None
-    monkeypatch.setattr(attention, "load_kernel", lambda: None)  # what select_backend calls
+    monkeypatch.setattr(selector, "load_kernel", lambda: None)  # what select_backend calls
     backend = select_backend(CPU, 8, 16, 2, 1.0)
     assert backend.name == "torch"
     meta = backend.decode_metadata([0], [[0]], [1])

@@ -1,10 +1,10 @@
-"""The elementwise C kernels (shared/runtime/cpu_layer_ops.py) against their torch references,
+"""The elementwise C kernels (kernels/cpu/layer_ops.py) against their torch references,
 swept over shapes, fp32 and bf16: RMSNorm and the residual add round where transformers does
 (equal to torch up to one rounding from the fp32 sum of squares' order; the add exactly torch's),
 SiLU * up within a rounding of the exact value (bf16: where torch's op-by-op chain may be two
 away; fp32: a few ulp, e^-g being ~2 ulp); bf16 RoPE within a rounding of fp32; what the kernels
 refuse. The runner with them: test_model_runner.py's bf16 test and the packed GGUF engines
-(tests/models/test_gguf.py); agreement with HF bf16: loadtest/bf16_agreement.py."""
+(tests/models/test_gguf.py); agreement with HF bf16: loadtest/engine/bf16_agreement.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.runtime.cpu_layer_ops import MIN_PART_ELEMS, LayerKernels, load_layer_ops, parts
+from kernels.cpu.layer_ops import MIN_PART_ELEMS, LayerKernels, load_layer_ops, parts
 from shared.runtime.model import apply_rope, rms_norm, rope_tables
 from tests.runtime.helpers import built_or_skip, torch_threads
 
@@ -121,7 +121,7 @@ def test_refuses_what_it_does_not_take(kernels: LayerKernels) -> None:
     with pytest.raises(ValueError):
         kernels.silu_mul(torch.randn(4, 8).half())
     cos = torch.ones(4, 1, 8, dtype=torch.bfloat16)
-    assert not kernels.rotate(x.view(4, 1, 8), cos, cos)  # fp32: cpu_rope.py serves
+    assert not kernels.rotate(x.view(4, 1, 8), cos, cos)  # fp32: kernels/cpu/rope.py serves
     assert not kernels.rotate(x.bfloat16().view(4, 1, 8), cos, cos.float())  # fp32 tables
 
 

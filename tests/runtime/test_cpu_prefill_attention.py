@@ -1,4 +1,4 @@
-"""The C prefill attention (shared/runtime/cpu_prefill_attention.py) against an fp64 reference
+"""The C prefill attention (kernels/cpu/prefill_attention.py) against an fp64 reference
 and SDPA, over head sizes (specialised and generic), groups and prompt lengths (one token, a
 tile, one past it, several tiles); strided inputs, its thread split, the rows it must leave
 alone, its input checks, and the backend's split between it and SDPA."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
 from shared.runtime.attention import TorchAttentionBackend, select_backend
-from shared.runtime.cpu_prefill_attention import FreshPrompts, PrefillKernel, load_prefill_kernel
 from tests.runtime.helpers import built_or_skip, torch_threads
 
 CPU = torch.device("cpu")

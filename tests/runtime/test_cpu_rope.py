@@ -1,4 +1,4 @@
-"""The C RoPE (shared/runtime/cpu_rope.py): bit-identical to the model's torch form over head
+"""The C RoPE (kernels/cpu/rope.py): bit-identical to the model's torch form over head
 sizes, positions and strided rows (views of a fused projection), in place; what it refuses."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.runtime.cpu_rope import RopeKernel, load_rope
+from kernels.cpu.rope import RopeKernel, load_rope
 from shared.runtime.model import apply_rope, rope_tables
 from tests.runtime.helpers import built_or_skip
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu.paged_decode_int8 import load_int8_kernel
 from shared.config import BatonConfig
 from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence
 from shared.runtime.attention import TorchAttentionBackend
 from shared.runtime.block_manager import NULL_BLOCK
-from shared.runtime.cpu_int8_attention import load_int8_kernel
 from shared.runtime.fp_window import FpWindow, fp_batch
 from shared.runtime.kv_codec import Int8KV
 from tests.runtime.helpers import KV_TRANSPORTS, EnginePair, greedy, tiny_model_dir

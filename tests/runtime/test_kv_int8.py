@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.int8_kv import dequantize_kv_ref, quantize_kv_ref
+from kernels.triton.int8_kv import dequantize_kv_ref, quantize_kv_ref
 from shared.engine.outputs import AddResult
 from shared.kv_transfer.shm import ShmConnector
 from shared.runtime.attention import TorchAttentionBackend
@@ -125,7 +125,7 @@ def test_int8_pair_serves_and_mostly_agrees_with_fp32(tmp_path: Path, transport:
         for rid in outputs["auto"]
         for a, b in zip(outputs["auto"][rid], outputs["int8"][rid], strict=True)
     )
-    assert same / (24 * len(PROMPTS)) >= 0.5  # the figure itself: loadtest/kv_cache_dtype.py
+    assert same / (24 * len(PROMPTS)) >= 0.5  # the figure itself: loadtest/engine/kv_cache_dtype.py
 
 
 def test_spill_store_refuses_a_handoff_between_unlike_caches(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Projection weights on CPU (shared/runtime/linear_layout.py): transposed, packed for oneDNN or
 MKL where torch has it, and each packed form used for its row counts; MKL's packed GEMM
-(shared/native/mkl_pack.py) and oneDNN's (shared/native/onednn_pack.py) against ``F.linear``."""
+(kernels/cpu/mkl_pack.py) and oneDNN's (kernels/cpu/onednn_pack.py) against ``F.linear``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.native import mkl_pack, onednn_pack
+from kernels.cpu import mkl_pack, onednn_pack
 from shared.runtime.linear_layout import prepare_projections
 from shared.runtime.model import PACKED_MIN_ROWS, Projection
 

@@ -1,5 +1,5 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 weights: the torch reference (shared/runtime/quant_formats.py) against
-gguf-py bit for bit, and the C kernels (shared/runtime/cpu_quant_linear.py) against the reference.
+"""GGUF Q8_0 / Q4_0 / Q4_1 weights: the torch reference (kernels/cpu/quant_formats.py) against
+gguf-py bit for bit, and the C kernels (kernels/cpu/quant_linear.py) against the reference.
 
 The int8 kernel rounds each x element to int8 per block of 32 (dx = amax / 127), so its one
 error next to ``x @ dequantize(W).T`` is at most ``dx / 2`` per element of x:
@@ -26,19 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.native.build import load_library
-from shared.runtime import cpu_quant_linear
-from shared.runtime.cpu_quant_linear import (
-    FLAGS,
-    INT8_MAX_ROWS,
-    SMALL_MODES,
-    SOURCE,
-    TILES_SOURCE,
-    QuantKernels,
-    QuantWeight,
-    load_quant_kernels,
-)
-from shared.runtime.quant_formats import (
+from kernels.cpu import quant_linear as cpu_quant_linear
+from kernels.cpu.build import load_library
+from kernels.cpu.quant_formats import (
     BLOCK,
     PACKED_TYPES,
     QuantType,
@@ -47,6 +37,16 @@ from shared.runtime.quant_formats import (
     dequantize_rows,
     quantize,
     row_bytes,
+)
+from kernels.cpu.quant_linear import (
+    FLAGS,
+    INT8_MAX_ROWS,
+    SMALL_MODES,
+    SOURCE,
+    TILES_SOURCE,
+    QuantKernels,
+    QuantWeight,
+    load_quant_kernels,
 )
 from tests.runtime.helpers import built_or_skip, torch_threads
 

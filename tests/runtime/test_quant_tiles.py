@@ -1,4 +1,4 @@
-"""GGUF weights regrouped into tiles of 16 rows (shared/runtime/csrc/quant_tiles.c) and their
+"""GGUF weights regrouped into tiles of 16 rows (kernels/cpu/csrc/quant_tiles.c) and their
 int8 kernel: the layout against a torch reference of it, byte for byte; the round trip back to
 rows; the dequantize of a tiled weight bit for bit with gguf-py's; the kernel within the int8
 rounding bound of ``x @ dequantize(W).T`` (test_quant_linear.py's), equal to the row layout's
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.runtime import cpu_quant_linear
-from shared.runtime.cpu_quant_linear import QuantKernels, QuantWeight, load_quant_kernels
-from shared.runtime.quant_formats import BLOCK, QuantType, block_bytes, dequantize, quantize
+from kernels.cpu import quant_linear as cpu_quant_linear
+from kernels.cpu.quant_formats import BLOCK, QuantType, block_bytes, dequantize, quantize
+from kernels.cpu.quant_linear import QuantKernels, QuantWeight, load_quant_kernels
 from tests.runtime.helpers import built_or_skip, torch_threads
 from tests.runtime.test_quant_linear import (
     ROWS,

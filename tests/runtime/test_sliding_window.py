@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
+from kernels.cpu.paged_decode_attention import DecodeKernel, load_kernel
+from kernels.cpu.prefill_attention import PrefillKernel, load_prefill_kernel
 from shared.runtime import BlockManager, ModelConfig, SamplingParams, Sequence
 from shared.runtime.attention import FLOAT_KV, TorchAttentionBackend
 from shared.runtime.block_manager import NULL_BLOCK
-from shared.runtime.cpu_attention import DecodeKernel, load_kernel
-from shared.runtime.cpu_prefill_attention import PrefillKernel, load_prefill_kernel
 from shared.runtime.kv_codec import Int8KV
 from tests.runtime.helpers import EnginePair, greedy, tiny_model_dir
 

@@ -74,13 +74,13 @@ PRESETS: dict[str, Preset] = {
     # Benchmarks: 3.6M matmul params, so 64 requests x (128 + 64) tokens is ~88 GFLOP plus
     # attention. intermediate 576 = 9 x 64 keeps every matmul dim a multiple of 64.
     "bench": Preset(256, 4, 8, 4, 32, 576, 4096),
-    # The bench shape with room for long prompts (loadtest/longctx.py: 8k-token prompts).
+    # The bench shape with room for long prompts (loadtest/engine/longctx.py: 8k-token prompts).
     "bench-long": Preset(256, 4, 8, 4, 32, 576, 4096, max_position_embeddings=16384),
     # A real size: Qwen2-0.5B's layer shapes (24 layers, d=896, ffn 4864, 14 query / 2 KV heads
     # of 64) with a 4k vocabulary, ~360M matmul params. Build with arch="qwen2" for its layout.
     "qwen2-0.5b": Preset(896, 24, 14, 2, 64, 4864, 4096, rope_theta=1000000.0),
     # Past a billion parameters (1.05B; Llama-3.2-1B's layer shapes, one layer more): what an
-    # engine's memory is measured on (loadtest/engine_memory.py). 4.2 GB in fp32.
+    # engine's memory is measured on (loadtest/engine/engine_memory.py). 4.2 GB in fp32.
     "llama-1b": Preset(2048, 17, 32, 8, 64, 8192, 4096, rope_theta=500000.0),
 }
 

@@ -1,0 +1,502 @@
+/* Decode attention over Baton's paged fp32 or bf16 KV cache, CPU: per batch row, two passes
+ * around a softmax, in one call.
+ *
+ * One layer's cache is a K and a V pool of [num_blocks, block_size, num_kv_heads, head_dim]
+ * fp32 or bf16 elements; sequence b's position t lives in block block_tables[b][t / block_size]
+ * at offset t % block_size. The torch path gathers K into a padded copy and sums V rows through
+ * embedding_bag, one row of head_dim floats at a time. Here each pass walks a sequence's blocks
+ * in place, a whole slot row (every KV head) at a time: K and V are each read once, contiguously
+ * within a block, and nothing is copied.
+ *
+ *   scores: scores[hq, t - s] = scale * q[b, hq] . K[slot(b, t), hq / group]
+ *           for s = start[b] <= t < len[b], into the thread's scratch
+ *   softmax over each head's scores, in place, in the same call: no scores tensor padded to
+ *           the longest row, one meeting of the step's threads a layer, not two
+ *   values: out[b, hq] = sum over start[b] <= t < len[b] of probs[hq, t - s] * V[slot(b, t), ..]
+ *
+ * start[b] is where a sliding window begins (NULL starts: 0 for every row); block table entries
+ * below it are never read (their blocks may have been freed).
+ * Query head hq uses KV head hq / group (transformers' repeat_kv order). The batch goes out in
+ * chunks of rows to up to `parts` threads (disjoint writes; split_rows). Common head sizes are
+ * specialised so the inner loops unroll into registers; any other size takes the generic loop.
+ *
+ * Element types: q, the scores, the probabilities and the output are fp32 whatever the cache
+ * holds; a bf16 element widens exactly to fp32 (its 16 bits are a float's top half), so both
+ * caches share one code path, each pass compiled once per element type (always_inline with the
+ * type a constant: no branch is left in the loops). In bf16 this replaces torch's gather, bmm
+ * and embedding_bag: a batch-16 decode step of the Qwen2-0.5B shape, 44-45 -> 40.5 ms. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Element i of a pool of fp32 (bf16 = 0) or bf16 (bf16 = 1) elements, as fp32. */
+INLINE float kv_at(const void *pool, int64_t i, int bf16)
+{
+    if (!bf16) return ((const float *)pool)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)pool)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE const void *kv_ptr(const void *pool, int64_t i, int bf16)
+{
+    return (const char *)pool + i * (bf16 ? 2 : 4);
+}
+
+/* Ask for the next block's rows while this one is computed: blocks sit anywhere in the pool,
+ * so the hardware prefetcher, which follows the current run, would miss the jump (measured
+ * batch 64, context ~170: attention 2.8 -> 2.5 ms a step with the scores pass alone). Into L2
+ * (locality 1: prefetcht2), not L1: a block is 128 lines asked for at once, and on the Zen 4
+ * machine L1 prefetches made attention 6.0 -> 4.9 ms slower than these (batch 64, ~160). */
+static inline void prefetch_rows(const void *start, int64_t num_bytes)
+{
+    const char *p = (const char *)start;
+    for (int64_t b = 0; b < num_bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
+INLINE void scores_one(const float *restrict q, const void *restrict k_pool,
+                       const int64_t *restrict table, int64_t start, int64_t len,
+                       int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                       float scale, float *restrict scores, int64_t stride, int bf16)
+{
+    const int64_t row = num_heads / group * head_dim;
+    for (int64_t t0 = start; t0 < len;) { /* the part of one block within [start, len) */
+        const int64_t off = t0 % block_size;
+        const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+        const int64_t kb = (table[t0 / block_size] * block_size + off) * row;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t krow = kb + i * row;
+            for (int64_t hq = 0; hq < num_heads; hq++) {
+                const int64_t k = krow + hq / group * head_dim;
+                const float *qh = q + hq * head_dim;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kv_at(k_pool, k + d, bf16);
+                scores[hq * stride + t0 - start + i] = acc * scale;
+            }
+        }
+        t0 += n;
+    }
+}
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define BATON_VECTOR_SCORES 1
+/* Scores sixteen tokens at a time for head sizes that are multiples of 16: each token's dot
+ * product is first folded to a 16-lane vector of partial sums, then the sixteen vectors are
+ * summed lane-wise in one transpose-and-add tree (four levels, 30 shuffles and 15 adds for 16
+ * sums) instead of one horizontal reduction per token (~8 ops each). GCC/Clang vector types:
+ * AVX-512 where -march=native has it, pairs of AVX2 registers elsewhere. */
+typedef float v16 __attribute__((vector_size(64)));
+/* The widest KV row (KV heads x head size) a bf16 tile widens into fp32 scratch (16 rows: 64 KiB
+ * of stack at most). */
+#define MAX_WIDENED_ROW 1024
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Sixteen pool elements from p, as fp32. */
+INLINE v16 load16_kv(const void *p, int bf16)
+{
+    if (!bf16) return load16(p);
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* r[j] = sum of the lanes of a[j], j < 16. */
+static inline v16 sum16(v16 a[16])
+{
+    v16 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                    30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUF(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                    31);
+    for (int i = 0; i < 2; i++)
+        e[i] = SHUF(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUF(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                    31);
+    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
+                           const int64_t *restrict table, int64_t start, int64_t len,
+                           int64_t num_heads, int64_t group, int64_t head_dim,
+                           int64_t block_size, float scale, float *restrict scores,
+                           int64_t stride, int bf16)
+{
+    const int64_t row = num_heads / group * head_dim, esize = bf16 ? 2 : 4;
+    /* bf16: the tile's rows are widened once into fp32, not once per query head of a group
+     * (Qwen2-0.5B: 7 query heads a KV head); very wide rows convert in place instead. */
+    const int widen = bf16 && row <= MAX_WIDENED_ROW;
+    float tile[widen ? 16 * row : 1];
+    const void *krows[16];
+    for (int64_t t0 = start; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        for (int64_t j = 0; j < 16; j++) {  /* rows past the context repeat the first */
+            const int64_t t = t0 + (j < n ? j : 0);
+            krows[j] = kv_ptr(k_pool, (table[t / block_size] * block_size + t % block_size) * row,
+                              bf16);
+        }
+        if (t0 + 16 < len && block_size >= 16) { /* the next tile's rows: elsewhere in the pool */
+            const int64_t t = t0 + 16, last = len - 1 < t + 15 ? len - 1 : t + 15;
+            const int64_t b = last / block_size;
+            if (b != (t - 1) / block_size) /* its rows from b's start: one contiguous run */
+                prefetch_rows(kv_ptr(k_pool, table[b] * block_size * row, bf16),
+                              (last - b * block_size + 1) * row * esize);
+        }
+        const int in_bf16 = bf16 && !widen; /* what krows point at from here on */
+        if (widen)
+            for (int j = 0; j < 16; j++) {
+                for (int64_t c = 0; c < row; c += 16) {
+                    const v16 k = load16_kv(kv_ptr(krows[j], c, 1), 1);
+                    memcpy(tile + j * row + c, &k, sizeof k);
+                }
+                krows[j] = tile + j * row;
+            }
+        for (int64_t hq = 0; hq < num_heads; hq++) {
+            const float *qh = q + hq * head_dim;
+            const int64_t off = hq / group * head_dim;
+            v16 a[16];
+            for (int j = 0; j < 16; j++) {
+                v16 acc = load16(qh) * load16_kv(kv_ptr(krows[j], off, in_bf16), in_bf16);
+                for (int64_t c = 16; c < head_dim; c += 16)
+                    acc += load16(qh + c) * load16_kv(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
+                a[j] = acc;
+            }
+            const v16 r = sum16(a) * scale;
+            float out[16];
+            memcpy(out, &r, sizeof out);
+            memcpy(scores + hq * stride + t0 - start, out, (size_t)n * sizeof *out);
+        }
+    }
+}
+#endif
+
+INLINE void values_one(const float *restrict probs, const void *restrict v_pool,
+                       const int64_t *restrict table, int64_t start, int64_t len,
+                       int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                       int64_t stride, float *restrict out, int bf16)
+{
+    const int64_t row = num_heads / group * head_dim, esize = bf16 ? 2 : 4;
+    for (int64_t hq = 0; hq < num_heads; hq++) {
+        float acc[head_dim];
+        memset(acc, 0, sizeof acc);
+        const float *p = probs + hq * stride - start; /* p[t]: position t's weight */
+        for (int64_t t0 = start; t0 < len;) { /* the part of one block within [start, len) */
+            const int64_t off = t0 % block_size, next = t0 - off + block_size;
+            const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+            const int64_t vb = (table[t0 / block_size] * block_size + off) * row;
+            if (hq == 0 && next < len) /* the first pass fetches; the rest hit cache */
+                prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, bf16),
+                              (len - next < block_size ? len - next : block_size) * row * esize);
+            const int64_t vh = vb + hq / group * head_dim;
+            t0 += n;
+            for (int64_t i = 0; i < n; i++) {
+                const float w = p[t0 - n + i];
+                const int64_t v = vh + i * row;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += w * kv_at(v_pool, v + d, bf16);
+            }
+        }
+        memcpy(out + hq * head_dim, acc, sizeof acc);
+    }
+}
+
+#ifdef BATON_VECTOR_SCORES
+/* bf16, head sizes that are multiples of 16: each V row is widened once for its whole group of
+ * query heads, which accumulate side by side (values_one walks the tokens once per query head:
+ * right for fp32, whose row is re-read from cache, but it would widen each row `group` times). */
+INLINE void values_grouped_bf16(const float *restrict probs, const void *restrict v_pool,
+                                const int64_t *restrict table, int64_t start, int64_t len,
+                                int64_t num_heads, int64_t group, int64_t head_dim,
+                                int64_t block_size, int64_t stride, float *restrict out)
+{
+    const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        float acc[group * head_dim];
+        memset(acc, 0, sizeof acc);
+        const float *p = probs + h * group * stride - start; /* p[g * stride + t] */
+        for (int64_t t0 = start; t0 < len;) {
+            const int64_t off = t0 % block_size, next = t0 - off + block_size;
+            const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+            const int64_t vb = (table[t0 / block_size] * block_size + off) * row + h * head_dim;
+            if (h == 0 && next < len)
+                prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, 1),
+                              (len - next < block_size ? len - next : block_size) * row * 2);
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = 0; c < head_dim; c += 16) {
+                    const v16 v = load16_kv(kv_ptr(v_pool, vb + i * row + c, 1), 1);
+                    for (int64_t g = 0; g < group; g++) {
+                        const v16 a = load16(acc + g * head_dim + c) + p[g * stride + t0 + i] * v;
+                        memcpy(acc + g * head_dim + c, &a, sizeof a);
+                    }
+                }
+            t0 += n;
+        }
+        memcpy(out + h * group * head_dim, acc, sizeof acc);
+    }
+}
+#endif
+
+#define SPECIALISED(call, head_dim, ...)                                                     \
+    switch (head_dim) {                                                                      \
+    case 32: call(__VA_ARGS__, 32); break;                                                   \
+    case 64: call(__VA_ARGS__, 64); break;                                                   \
+    case 128: call(__VA_ARGS__, 128); break;                                                 \
+    default: call(__VA_ARGS__, head_dim);                                                    \
+    }
+
+#ifdef BATON_VECTOR_SCORES
+#define SCORES(qb, table, start, len, sb, D)                                                 \
+    ((D) % 16 == 0 ? scores_one_vec(qb, k_pool, table, start, len, num_heads, group, D,      \
+                                    block_size, scale, sb, stride, bf16)                     \
+                   : scores_one(qb, k_pool, table, start, len, num_heads, group, D,          \
+                                block_size, scale, sb, stride, bf16))
+#else
+#define SCORES(qb, table, start, len, sb, D)                                                 \
+    scores_one(qb, k_pool, table, start, len, num_heads, group, D, block_size, scale, sb,    \
+               stride, bf16)
+#endif
+#ifdef BATON_VECTOR_SCORES
+#define VALUES(pb, table, start, len, ob, D)                                                 \
+    (bf16 && (D) % 16 == 0                                                                   \
+         ? values_grouped_bf16(pb, v_pool, table, start, len, num_heads, group, D,           \
+                               block_size, stride, ob)                                       \
+         : values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size,        \
+                      stride, ob, bf16))
+#else
+#define VALUES(pb, table, start, len, ob, D) \
+    values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size, stride, ob, bf16)
+#endif
+
+/* softmax over s[0, n) in place, n >= 1: exp(s - max) / sum, as torch's softmax (its exp is
+ * ~1 ulp; this one Cephes' polynomial, ~2 ulp, vectorised where GCC's vector types are). A NaN
+ * score makes the row NaN. */
+#ifdef BATON_VECTOR_SCORES
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* e^x, x <= 0 (or NaN) over 16 lanes: x clamped to -87.3 (e^x below it is 2^-126 or less, not a
+ * weight a sum of at least 1 notices); x = n ln2 + r, a degree-6 polynomial in r, times 2^n. */
+static inline v16 exp16(v16 x)
+{
+    const v16 zero = {0}, lo = zero - 87.3f;
+    const i16v below = x < lo; /* NaN: false, kept */
+    x = (v16)(((i16v)lo & below) | ((i16v)x & ~below));
+    const v16 t = x * 1.44269504088896341f + 0.5f;
+    i16v ni = __builtin_convertvector(t, i16v); /* truncates: one more than floor where t < 0 */
+    ni += (i16v)(__builtin_convertvector(ni, v16) > t); /* a true lane is -1: floor(t) */
+    const v16 nf = __builtin_convertvector(ni, v16);
+    v16 r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v16)((ni + 127) << 23);
+}
+
+static void softmax(float *s, int64_t n)
+{
+    const v16 ninf = {0}; /* lanes past n stay -inf */
+    v16 vmax = ninf - INFINITY, vnan = ninf;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 v = load16(s + i);
+        vmax = (v16)(((i16v)v & (i16v)(v > vmax)) | ((i16v)vmax & ~(i16v)(v > vmax)));
+        vnan = (v16)((i16v)vnan | ((i16v)v & (i16v)(v != v))); /* a NaN's bits, or 0 */
+    }
+    float mx = -INFINITY, nan = 0.f;
+    for (int j = 0; j < 16; j++) {
+        mx = vmax[j] > mx ? vmax[j] : mx;
+        nan = vnan[j] != 0.f ? vnan[j] : nan;
+    }
+    for (; i < n; i++) {
+        mx = s[i] > mx ? s[i] : mx;
+        nan = s[i] != s[i] ? s[i] : nan;
+    }
+    if (nan != nan) mx = nan; /* a NaN score makes every exp, so the row, NaN */
+    v16 acc = {0};
+    i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 e = exp16(load16(s + i) - mx);
+        memcpy(s + i, &e, sizeof e);
+        acc += e;
+    }
+    if (i < n) { /* the tail through a padded vector, its padding left out of the sum */
+        float t[16] = {0};
+        memcpy(t, s + i, (size_t)(n - i) * sizeof *s);
+        const v16 e = exp16(load16(t) - mx);
+        memcpy(t, &e, sizeof e);
+        for (int64_t j = n - i; j < 16; j++) t[j] = 0.f;
+        memcpy(s + i, t, (size_t)(n - i) * sizeof *s);
+        acc += load16(t);
+    }
+    float sum = 0.f;
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+}
+#else
+static void softmax(float *s, int64_t n)
+{
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t i = 0; i < n; i++) mx = s[i] > mx || s[i] != s[i] ? s[i] : mx;
+    for (int64_t i = 0; i < n; i++) sum += s[i] = expf(s[i] - mx);
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+}
+#endif
+
+/* The arguments of one exported call. */
+struct attend_args {
+    const float *q; /* [batch, num_heads, head_dim], rows q_stride floats apart */
+    int64_t q_stride;
+    const void *k_pool, *v_pool; /* fp32 or bf16 elements: the entry point says which */
+    const int64_t *block_tables;
+    int64_t max_blocks;
+    const int64_t *context_lens;
+    const int64_t *starts; /* NULL: every row from position 0 */
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    float *out; /* [batch, num_heads, head_dim] */
+    int64_t max_len; /* the longest row's span: the scores scratch a row needs per head */
+};
+
+/* Ask for the first PREFETCH_SPAN bytes of row b's K and of its V at once, into L2 (all of a
+ * row of the bench shape at a context of ~170): the passes' own prefetch, one block ahead, kept
+ * few of a thread's memory requests in flight, and the step waited on each block's latency.
+ * Past the span (long contexts, which would not fit L2) that prefetch alone serves. Called at the
+ * row's start: V arrives while K is scored. */
+#define PREFETCH_SPAN (128 << 10)
+
+INLINE void prefetch_span(const struct attend_args *a, int64_t b, int64_t row_bytes)
+{
+    const int64_t *table = a->block_tables + b * a->max_blocks, bs = a->block_size;
+    const int64_t start = a->starts ? a->starts[b] : 0, len = a->context_lens[b];
+    const int64_t end = len - start > PREFETCH_SPAN / row_bytes ? start + PREFETCH_SPAN / row_bytes
+                                                                : len;
+    for (int pool = 0; pool < 2; pool++) /* K first: the scores pass reads it first */
+        for (int64_t t0 = start; t0 < end;) {
+            const int64_t off = t0 % bs, n = end - t0 < bs - off ? end - t0 : bs - off;
+            const int64_t at = table[t0 / bs] * bs + off;
+            prefetch_rows((const char *)(pool ? a->v_pool : a->k_pool) + at * row_bytes,
+                          n * row_bytes);
+            t0 += n;
+        }
+}
+
+/* Rows [b0, b1): each row's scores into scratch (num_heads x its span), their softmax, then the
+ * values: K and V are read once each, the probabilities never leave the thread's cache. */
+INLINE void attend_rows(const struct attend_args *a, int64_t b0, int64_t b1, int bf16)
+{
+    const int64_t num_heads = a->num_heads, group = num_heads / a->num_kv_heads;
+    const int64_t block_size = a->block_size;
+    const void *k_pool = a->k_pool, *v_pool = a->v_pool;
+    const float scale = a->scale;
+    float *scratch = malloc((size_t)(num_heads * a->max_len) * sizeof(float));
+    if (scratch == NULL) { /* no memory: NaN out, which the engine's sampler cannot hide */
+        for (int64_t i = b0 * num_heads * a->head_dim; i < b1 * num_heads * a->head_dim; i++)
+            a->out[i] = NAN;
+        return;
+    }
+    const int64_t row = a->num_kv_heads * a->head_dim, esize = bf16 ? 2 : 4;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *qb = a->q + b * a->q_stride;
+        const int64_t *table = a->block_tables + b * a->max_blocks;
+        const int64_t len = a->context_lens[b], start = a->starts ? a->starts[b] : 0;
+        const int64_t stride = len - start; /* this row's scores per head, back to back */
+        prefetch_span(a, b, row * esize);
+        SPECIALISED(SCORES, a->head_dim, qb, table, start, len, scratch)
+        for (int64_t hq = 0; hq < num_heads; hq++) softmax(scratch + hq * stride, stride);
+        float *ob = a->out + b * num_heads * a->head_dim;
+        SPECIALISED(VALUES, a->head_dim, scratch, table, start, len, ob)
+    }
+    free(scratch);
+}
+
+/* The parts run on the OpenMP team torch's own ops use (this library links libgomp, and the
+ * process already holds torch's copy under that name, so both share one runtime and one
+ * team). Threads started per call, as this file once did, met torch's team still spinning
+ * after the step's last GEMM (libgomp spins before it sleeps): on two cores they took turns
+ * on one core and attention got slower with two threads than with one. Rows are independent
+ * and each is computed the same way whichever thread takes it. */
+typedef void (*rows_fn)(const struct attend_args *, int64_t, int64_t);
+
+/* Once per element type. */
+static void attend_rows_f32(const struct attend_args *a, int64_t b0, int64_t b1)
+{
+    attend_rows(a, b0, b1, 0);
+}
+static void attend_rows_bf16(const struct attend_args *a, int64_t b0, int64_t b1)
+{
+    attend_rows(a, b0, b1, 1);
+}
+
+/* The batch goes out in chunks of about ROWS_PER_CHUNK rows, each taken by whichever thread of
+ * the `parts` is free (a dynamic schedule), not in one fixed range a thread. Two reasons: rows
+ * cost what their context costs, so fixed halves of a batch of mixed lengths finish apart; and
+ * on a machine shared with the broker and the light services, a thread the kernel preempts no
+ * longer leaves its whole range to wait for it (only the chunk it holds). Measured with this
+ * build and the fixed-range one swapped every 25 steps in one process (bench model, batch 64,
+ * context 160, two threads, 2-core Xeon, 2026-12-05, three runs): decode step 6.90 / 9.45 /
+ * 10.80 ms against 7.06 / 9.76 / 10.83 quiet, 12.71 / 13.68 / 16.05 against 13.34 / 14.15 /
+ * 16.92 beside a process busy 3.4 ms in every ~10 (the load of `python -m
+ * loadtest.engine.step_profile --contend 3.4,10`); bf16 at the Qwen2-0.5B shape, batch 16: 87.9
+ * against 88.4 ms quiet. A small gain: most of what a preempted thread costs a step is in the
+ * GEMMs, whose split is the library's. A row is computed the same way whichever thread takes
+ * it. */
+#define ROWS_PER_CHUNK 4
+
+static void split_rows(rows_fn fn, const struct attend_args *a, int64_t batch, int64_t parts)
+{
+    if (parts > batch) parts = batch;
+    if (parts <= 1) {
+        fn(a, 0, batch);
+        return;
+    }
+    const int64_t chunks = batch / ROWS_PER_CHUNK > parts ? batch / ROWS_PER_CHUNK : parts;
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+    for (int64_t i = 0; i < chunks; i++) fn(a, batch * i / chunks, batch * (i + 1) / chunks);
+}
+
+/* The exported call: the pools' element type is in the name (q and out: fp32). max_len: at least
+ * every row's context_lens[b] - starts[b]. */
+#define ATTEND_ENTRY(name, pool_t, rows)                                                     \
+    void name(const float *q, int64_t q_stride, const pool_t *k_pool, const pool_t *v_pool,  \
+              const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,  \
+              const int64_t *starts, int64_t batch, int64_t parts, int64_t num_heads,        \
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,       \
+              int64_t max_len, float *out)                                                   \
+    {                                                                                        \
+        const struct attend_args a = {q, q_stride, k_pool, v_pool, block_tables, max_blocks, \
+                                      context_lens, starts, num_heads, num_kv_heads,         \
+                                      head_dim, block_size, scale, out, max_len};            \
+        split_rows(rows, &a, batch, parts);                                                  \
+    }
+
+ATTEND_ENTRY(baton_paged_decode_attend_f32, float, attend_rows_f32)
+ATTEND_ENTRY(baton_paged_decode_attend_bf16, uint16_t, attend_rows_bf16)

@@ -1,0 +1,149 @@
+"""A decoder layer's elementwise ops through the C kernels of ``csrc/layer_ops.c`` (CPU), over fp32
+or bf16 rows.
+
+RMSNorm (optionally after the residual add, in place) and SiLU(gate) * up over the fused gate_up
+output, fp32 or bf16; rotate-half RoPE in place, bf16 (fp32's is kernels/cpu/rope.py, bit-equal to
+torch). Each one pass over its rows, fp32 inside, no temporaries. Who uses them (model_runner.py):
+bf16 models, and the decode engine of a model with packed GGUF weights (whose int8 activations
+already part from exact fp32 arithmetic); an fp32 model keeps torch's ops, whose bits the parity
+contract pins. Built and loaded like the other kernels; without a compiler torch's ops serve.
+What each rounds, and the figures that chose it: the C file. Each call splits its rows on torch's
+OpenMP team, into ``torch.get_num_threads()`` parts (read at each call, as the engine's CPU
+share moves it), fewer for a small call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.build import CSRC, load_library, split_parts
+
+SOURCE = CSRC / "layer_ops.c"
+# Contraction on: SiLU's polynomial and RoPE's sums as FMAs (one rounding fewer); RMSNorm's
+# products are products of products, which it leaves alone.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-fPIC",
+         "-shared", "-std=c11")  # fmt: skip
+MAX_HEAD_DIM = 512  # the RoPE kernel's row buffer
+# Output elements a part has at least: a decode step's SiLU * up (16 x 4864 outputs) took 73 us
+# on one thread and 43 us split in two (2-core Xeon); much smaller calls stay whole.
+MIN_PART_ELEMS = 1 << 14
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def parts(elems: int) -> int:
+    """How many row ranges a call over ``elems`` output elements splits into."""
+    return split_parts(elems, MIN_PART_ELEMS, torch.get_num_threads())
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """2-D CPU with contiguous rows (the row stride may be larger); the dtype is checked by the
+    entry-point lookup."""
+    return x.is_cpu and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
+
+
+def _empty(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh ``[rows, cols]`` tensor: the short form where it gives ``dtype`` (it costs a
+    decode step's call a third of the keyword form)."""
+    out = torch.empty(rows, cols)
+    return out if out.dtype is dtype else torch.empty((rows, cols), dtype=dtype)
+
+
+class LayerKernels:
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        # dtype -> entry point, for each op over both element types
+        self._norm: dict[torch.dtype, Callable[..., None]] = {}
+        self._add_norm: dict[torch.dtype, Callable[..., None]] = {}
+        self._silu_mul: dict[torch.dtype, Callable[..., None]] = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            for table, name, argtypes in (
+                (self._norm, "rms_norm", [_P, _I, _I, _I, _P, _F, _P, _I]),
+                (self._add_norm, "add_rms_norm", [_P, _P, _I, _I, _P, _F, _P, _I]),
+                (self._silu_mul, "silu_mul", [_P, _I, _I, _I, _P, _I]),
+            ):
+                fn = getattr(lib, f"baton_{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                table[dtype] = fn
+        self._rope = lib.baton_rope_bf16
+        self._rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I]
+        self._rope.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``model.rms_norm(x, weight, eps)`` of 2-D fp32 or bf16 ``x``."""
+        fn = self._norm.get(x.dtype)
+        if fn is None or not _rows(x) or weight.dtype is not x.dtype or weight.shape != x.shape[1:]:
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype}: not rows of the weight's size and "
+                             "dtype (fp32 or bf16)")  # fmt: skip
+        rows, cols = x.shape
+        out = _empty(rows, cols, x.dtype)
+        fn(x.data_ptr(), rows, cols, x.stride(0), weight.contiguous().data_ptr(), eps,
+           out.data_ptr(), parts(rows * cols))  # fmt: skip
+        return out
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``hidden += delta`` in place, then ``model.rms_norm(hidden, weight, eps)``."""
+        fn = self._add_norm.get(hidden.dtype)
+        if fn is None or not (hidden.is_contiguous() and _rows(hidden)):
+            raise ValueError(f"hidden {tuple(hidden.shape)}: not contiguous fp32 or bf16 rows")
+        if delta.shape != hidden.shape or delta.dtype is not hidden.dtype:
+            raise ValueError(f"delta must be {hidden.dtype} {tuple(hidden.shape)}")
+        if weight.dtype is not hidden.dtype or weight.shape != hidden.shape[1:]:
+            raise ValueError(f"weight must be {hidden.dtype} [{hidden.shape[1]}]")
+        rows, cols = hidden.shape
+        out = _empty(rows, cols, hidden.dtype)
+        fn(hidden.data_ptr(), delta.contiguous().data_ptr(), rows, cols,
+           weight.contiguous().data_ptr(), eps, out.data_ptr(), parts(rows * cols))  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``, 2-D fp32 or bf16."""
+        fn = self._silu_mul.get(gate_up.dtype)
+        if fn is None or not _rows(gate_up) or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up {tuple(gate_up.shape)} {gate_up.dtype}: not rows of an "
+                             "even width, fp32 or bf16")  # fmt: skip
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = _empty(rows, inter, gate_up.dtype)
+        fn(gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(),
+           parts(rows * inter))  # fmt: skip
+        return out
+
+    @staticmethod
+    def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """RoPE's inputs: ``x [T, H, D]`` bf16 CPU, heads contiguous in a row (rows may be
+        strided); ``cos``/``sin`` ``[T, 1, D]`` contiguous bf16."""
+        if x.dim() != 3 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return False
+        num_tokens, _, head_dim = x.shape
+        table = (num_tokens, 1, head_dim)
+        return (
+            head_dim % 2 == 0
+            and head_dim <= MAX_HEAD_DIM
+            and x.stride()[1:] == (head_dim, 1)
+            and all(
+                t.shape == table and t.dtype == torch.bfloat16 and t.is_contiguous()
+                for t in (cos, sin)
+            )
+        )
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """``model.apply_rope`` in place if :meth:`takes` the inputs (True); else False."""
+        if not self.takes(x, cos, sin):
+            return False
+        num_tokens, num_heads, head_dim = x.shape
+        self._rope(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), cos.data_ptr(),
+                   sin.data_ptr(), parts(num_tokens * num_heads * head_dim))  # fmt: skip
+        return True
+
+
+def load_layer_ops(cache_dir: Path | None = None) -> LayerKernels | None:
+    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="torch's elementwise ops")
+    return LayerKernels(*loaded) if loaded is not None else None
