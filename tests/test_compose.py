@@ -269,7 +269,9 @@ def test_loadtest_profile(runner: list[str]) -> None:
     command = command if isinstance(command, str) else " ".join(command)
     entrypoint = " ".join(loadtest["entrypoint"])
     assert entrypoint == "locust"
-    assert re.search(r"-f loadtest/serving/locustfile\.py --headless -u 3 -r 4 -t 5s", command), command
+    assert re.search(r"-f loadtest/serving/locustfile\.py --headless -u 3 -r 4 -t 5s", command), (
+        command
+    )
     assert "--csv /results/baton" in command
     assert "/results" in {
         (v.split(":")[1] if isinstance(v, str) else v["target"]) for v in loadtest["volumes"]

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import aio_pika
 import pytest
 
+from deploy import permissions as perms
 from services.detokenizer.core import DetokenizerCore, Output
 from services.launcher import ServiceProcesses, fresh_vhost, wait_served
-from deploy import permissions as perms
 from services.shell.control_auth import ControlAuth
 from services.shell.registry import PIPELINE
 from shared.client import BatonClient

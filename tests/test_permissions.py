@@ -24,8 +24,8 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelAccessRefused
 
-from services.launcher import LocalSystem, ServiceProcesses, fresh_vhost, wait_served
 from deploy import permissions as perms
+from services.launcher import LocalSystem, ServiceProcesses, fresh_vhost, wait_served
 from services.shell.registry import PIPELINE
 from shared.client import BatonClient
 from shared.config import REPO_ROOT
