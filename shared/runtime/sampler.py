@@ -171,7 +171,7 @@ class Sampler:
 
 def torch_argmax(logits: torch.Tensor) -> list[int]:
     """Greedy rows: ``max().indices`` is argmax (first index among ties, as torch.argmax and HF),
-    ~3x faster than ``argmax`` on CPU."""
+    and faster than ``argmax`` on CPU."""
     return logits.max(dim=-1).indices.tolist()
 
 
