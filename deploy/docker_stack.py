@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ OFFICIAL = {
     "BATON_BASE_IMAGE": "python:3.11-slim",
     "BATON_RABBITMQ_IMAGE": "rabbitmq:3.13-management",
 }
-DOCKERD_LOG = Path("/tmp/baton-dockerd.log")
+DOCKERD_LOG = Path(tempfile.gettempdir()) / "baton-dockerd.log"
 
 
 def log(msg: str) -> None:

@@ -2,7 +2,8 @@
 
 - ``kernels/triton/``: the GPU path's Triton kernels (paged decode and prefill attention, the KV
   store, int8 KV) with their pure-torch references; they run on CPU under TRITON_INTERPRET=1.
-- ``kernels/cpu/``: the CPU path's C kernels (``csrc/``), each with its ctypes wrapper and torch
+- ``kernels/cpu/``: the CPU path's C kernels (``kernels/cpu/csrc/``), each with its ctypes wrapper
+and torch
   reference, the compiler driver (``build.py``), the ISA choice (``cpu_isa.py``) and the
   MKL / oneDNN weight packing.
 

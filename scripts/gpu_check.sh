@@ -22,8 +22,9 @@ export PYTHONUNBUFFERED=1 BATON_MKL_DISPATCH=stock
 unset TRITON_INTERPRET  # the tests pick the interpreter only when CUDA is missing
 
 if compgen -G ".whl/*.whl" >/dev/null; then
+    site="$(mktemp -d)"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        --target "$site" .whl/*.whl && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if ! "$PY" -c "import triton" 2>/dev/null; then
     echo "triton missing: installing triton only"

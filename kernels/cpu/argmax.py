@@ -1,10 +1,10 @@
 """Row-wise argmax of a CPU step's logits through the C kernel of ``csrc/argmax.c``.
 
-torch's ``max(dim=-1)`` answers greedy rows at ~0.7-1 G elements/s on one core (64 rows of a
-4,096-token vocabulary: 260-380 µs, 2-3% of a bench-model decode step at batch 64); the kernel
-gives the same indices (the first maximum; a NaN counts as the maximum) in ~94 µs there, ~16
-against ~37 µs at 8 rows (Zen 4, one thread, call and ``tolist`` included). Built and
-loaded like the attention kernels; without a compiler torch's answer serves.
+torch's ``max(dim=-1)`` tracks an index per compared value one lane at a time, a visible share
+of a small model's decode step at large batches; the kernel gives the same indices (the first
+maximum; a NaN counts as the maximum) with a vectorised maximum and a scan for its first
+occurrence (docs/perf-log.md, "argmax"). Built and loaded like the attention kernels; without a
+compiler torch's answer serves.
 """
 
 from __future__ import annotations

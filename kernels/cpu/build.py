@@ -1,4 +1,4 @@
-"""Compile a C source of ``csrc/`` into a shared library, once per machine.
+"""Compile a C source of ``kernels/cpu/csrc/`` into a shared library, once per machine.
 
 Torch-free on purpose: the MKL dispatch library (``mkl_dispatch.py``) is built before the
 process has loaded torch. A library is keyed by its source, flags, compiler and CPU (flags may

@@ -4,10 +4,11 @@ or bf16 rows.
 RMSNorm (optionally after the residual add, in place) and SiLU(gate) * up over the fused gate_up
 output, fp32 or bf16; rotate-half RoPE in place, bf16 (fp32's is kernels/cpu/rope.py, bit-equal to
 torch). Each one pass over its rows, fp32 inside, no temporaries. Who uses them (model_runner.py):
-bf16 models, and the decode engine of a model with packed GGUF weights (whose int8 activations
-already part from exact fp32 arithmetic); an fp32 model keeps torch's ops, whose bits the parity
-contract pins. Built and loaded like the other kernels; without a compiler torch's ops serve.
-What each rounds, and the figures that chose it: the C file. Each call splits its rows on torch's
+bf16 models, and the decode engine of an fp32 model, plain or with packed GGUF weights (the fused
+ops part from torch's bits in the last ulp or two, and the parity tests hold with them); an fp32
+prefill engine keeps torch's ops, exact. Built and loaded like the other kernels; without a
+compiler torch's ops serve.
+What each rounds, and why: the C file. Each call splits its rows on torch's
 OpenMP team, into ``torch.get_num_threads()`` parts (read at each call, as the engine's CPU
 share moves it), fewer for a small call.
 """
@@ -28,8 +29,9 @@ SOURCE = CSRC / "layer_ops.c"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-fPIC",
          "-shared", "-std=c11")  # fmt: skip
 MAX_HEAD_DIM = 512  # the RoPE kernel's row buffer
-# Output elements a part has at least: a decode step's SiLU * up (16 x 4864 outputs) took 73 us
-# on one thread and 43 us split in two (2-core Xeon); much smaller calls stay whole.
+# Output elements a part has at least: a decode step's SiLU * up at a real size (16 x 4864
+# outputs) still gains from a split in two; much smaller calls lose more to waking the team
+# than they gain, and stay whole.
 MIN_PART_ELEMS = 1 << 14
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -2,10 +2,10 @@
 
 MKL (torch's BLAS on x86) asks an exported function, ``mkl_serv_intel_cpu_true``, whether the
 CPU is Intel's, and on any other vendor runs its generic AVX2 kernels, even on a CPU with AVX-512
-(AMD Zen 4/5). Measured on a 2-core Zen 5 (one thread, decode's shapes, 64 rows): fp32 GEMM at
-86-93 GF/s stock, 150-225 GF/s with the check answered yes; a 2,048-row prefill GEMM 92 -> 220.
-vLLM's CPU backend sends its fp32 linears to oneDNN (its ``dispatch_cpu_unquantized_gemm``),
-whose packed GEMM reaches the same rates here. The answer is ``csrc/mkl_vendor_check.c``, one
+(AMD Zen 4/5), at a fraction of the fp32 GEMM rate the AVX-512 kernels reach there
+(docs/perf-log.md, "MKL on AMD"). vLLM's CPU backend sends its fp32 linears to oneDNN (its
+``dispatch_cpu_unquantized_gemm``), whose packed GEMM reaches the AVX-512 rates too. The answer
+is ``kernels/cpu/csrc/mkl_vendor_check.c``, one
 function preloaded ahead of torch, so it must be in place when the process starts: a process
 that runs torch math calls :func:`ensure` first, which re-executes it with the library in
 ``LD_PRELOAD`` (its children inherit it).

@@ -3,22 +3,15 @@
 ``F.linear`` hands MKL a plain weight, and MKL copies it into its kernel's panel layout on
 every call: at a decode step's few rows that copy is most of the call (the weight is read twice
 and written once for a handful of output rows). ``cblas_sgemm_pack`` does that copy once and
-``cblas_sgemm_compute`` runs on the packed panels. Measured on a 2-core Zen 3, one thread, fp32,
-µs per call (best of ``F.linear`` layouts / packed):
-
-| weight ``[out, in]`` | 4 rows | 16 rows | 32 rows | 64 rows | 2,048 rows |
-|---|---|---|---|---|---|
-| 512 × 256 (q/k/v) | 22 / 18 | 61 / 53 | 107 / 94 | 192 / 180 | equal |
-| 1152 × 256 (gate/up) | 52 / 32 | 106 / 104 | 216 / 199 | 401 / 391 | equal |
-| 4096 × 256 (LM head) | 221 / 94 | 466 / 357 | 825 / 716 | 1,661 / 1,365 | equal |
-
-Whole decode steps, and why one or two rows stay on the plain weight (MKL's GEMV beats the
-packed kernel there): the table in shared/runtime/linear_layout.py.
+``cblas_sgemm_compute`` runs on the packed panels: faster at decode's row counts, the most
+for the widest weights (the LM head); equal at prefill's (docs/perf-log.md, "MKL packed
+projections"). One or two rows stay on the plain weight: MKL's GEMV beats the packed kernel
+there (shared/runtime/linear_layout.py).
 
 The functions are MKL's own, exported by torch's CPU library where torch is built with MKL (the
 x86 wheels); elsewhere :func:`available` is False and the weights stay plain. A packed weight is
-at least ~5.8 MB (MKL's minimum buffer), 1.15-2.2x the weight for
-most others (packed_bytes; linear_layout.py packs only where that stays small). Results equal
+at least MKL's minimum buffer (a few MB), and padded by panel for the others (packed_bytes;
+linear_layout.py packs only where that stays small). Results equal
 ``F.linear``'s up to the last bits (a different kernel may sum in a different order).
 """
 

@@ -2,26 +2,13 @@
 start-up, into the blocked layout of oneDNN's kernel (AMX tiles for bf16 where the CPU has them).
 
 These are the ops torch inductor's weight freezing emits (``mkldnn._reorder_linear_weight`` then
-``mkldnn._linear_pointwise``). Measured on a 2-core Xeon with AMX (2026-12-05), the four
-projections of all 24 layers of the qwen2-0.5b bench shape, weights cold, ms per decode step
-(``F.linear`` on the plain or transposed weight; MKL packed; oneDNN packed):
-
-| ms per step (rows) | 1 | 4 | 8 | 16 | 32 | 48 | 64 |
-|---|---|---|---|---|---|---|---|
-| bf16 1T plain / T | 72 / 110 | 76 / 104 | | 78 / 100 | | | 115 / 125 |
-| bf16 1T oneDNN | **51** | **57** | | **58** | | | **86** |
-| bf16 2T plain / oneDNN | 46 / **31** | | | 44 / **32** | | | 68 / **45** |
-| fp32 1T T / MKL | **88**/93 | 165/175 | 202/216 | 250/260 | 292/307 | 332/302 | **292**/304 |
-| fp32 1T oneDNN | 100 | **105** | **121** | **161** | **233** | **286** | 346 |
-| fp32 2T T / MKL | | 82 / 97 | | 113 / 121 | | | 206 / 214 |
-| fp32 2T oneDNN | | **55** | | **85** | | | **175** |
-
-T: the transposed weight. At 2,048 rows (prefill; per layer, one thread) all forms tie: bf16
-plain 78, transposed 69, oneDNN 70 ms; fp32 379-385 ms.
-
-So bf16 takes the oneDNN form at every row count, fp32 from 4 to 48 rows (MKL's GEMV on the
-transposed weight wins at 1-3 rows, and at 64 rows one thread the transposed weight wins while
-two threads still favour oneDNN: the crossover sits near 48-64, the lower edge kept). Results
+``mkldnn._linear_pointwise``). Which form wins at which row count is measured, on whole decode
+steps of a real-size shape (docs/perf-log.md, "oneDNN prepacked projections"): at prefill's
+row counts every form ties; at decode's the prepacked form wins for bf16 at every row count and
+for fp32 from 4 to 48 rows (MKL's GEMV on the transposed weight wins at 1-3 rows, and from 64
+rows on one thread the transposed weight wins while two threads still favour oneDNN: the lower
+edge of the crossover is kept). So bf16 takes the oneDNN form at every row count, fp32 from 4
+to 48 rows. Results
 equal ``F.linear``'s up to the last bits (another kernel sums in another order); the fp32 parity
 tests check greedy output against Hugging Face with it.
 """
@@ -32,9 +19,9 @@ import functools
 
 import torch
 
-# Row counts each dtype's packed form serves (the table above); outside them F.linear does.
+# Row counts each dtype's packed form serves (above); outside them F.linear does.
 ROWS = {torch.float32: (4, 48), torch.bfloat16: (1, 1 << 62)}
-BATCH_HINT = 16  # the row count the reorder is told to expect; the layout fits all (measured)
+BATCH_HINT = 16  # the row count the reorder is told to expect; the layout it picks fits all rows
 
 
 @functools.cache

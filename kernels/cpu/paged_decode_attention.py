@@ -1,11 +1,11 @@
 """CPU decode attention through the C kernel of ``csrc/paged_decode_attention.c``, over an fp32
 or a bf16 cache.
 
-Why a C kernel: on CPU a decode step at batch 64 spent ~45% of its time in attention (bench
-model, one thread: index_select of K rows, the scores bmm, embedding_bag over V), all of it
-moving 128-byte rows. The kernel reads each sequence's K and V blocks in place, once, with the
-softmax between its two passes, in one call: a row's scores stay in its thread's cache. Same
-numbers as the torch path up to float summation order and the exp's last bits
+Why a C kernel: on CPU the torch path (index_select of K rows, the scores bmm, embedding_bag
+over V) spends a large share of a small model's decode step at large batches in attention, all
+of it moving short rows one at a time. The kernel reads each sequence's K and V blocks in
+place, once, with the softmax between its two passes, in one call: a row's scores stay in its
+thread's cache. Same numbers as the torch path up to float summation order and the exp's last bits
 (tests/runtime/test_cpu_attention.py sweeps shapes against it). Over a bf16
 cache it computes in fp32 (q widened, the output rounded to bf16 once), as SDPA's CPU kernel
 does in bf16; torch's bf16 path rounded scores and probabilities to bf16 on the way.

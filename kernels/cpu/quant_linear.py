@@ -9,64 +9,31 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
   packed bytes are read once (4.5-8.5 bits a weight) and no fp32 weight is made. Error: x's
   rounding to int8, at most ``amax_block / 254`` per element; ~5e-3 of the outputs' norm for
   Gaussian x (tests/runtime/test_quant_linear.py). A weight the decode engine holds is
-  regrouped once into tiles of 16 rows (:meth:`QuantWeight.tile`, csrc/quant_tiles.c) where the
-  build has AVX-512 VNNI: one vector then holds sixteen rows' dot products and the fp32 work per
-  block is paid once per sixteen rows, not per four; the same rounding of x, the same bound.
+  regrouped once into tiles of 16 rows (:meth:`QuantWeight.tile`, csrc/quant_tiles.c) where
+  the build has AVX-512 VNNI: one vector then holds sixteen rows' dot products and the fp32 work
+  per block is paid once per sixteen rows, not per four; the same rounding of x, the same bound.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly
   ``F.linear(x, dequantize(W), b)``. (An LM head meets it only when logits of many positions
-  are asked for; its fp32 copy, 113 MB for 49152 x 576, is then made per call, not kept.)
+  are asked for; its fp32 copy, hundreds of MB for a large vocabulary, is then made per call,
+  not kept.)
 
 Without a C compiler every call is ``F.linear(x, quant_formats.dequantize(W), b)``.
 
-``python -m loadtest.engine.quant_linear_bench --rounds 2`` (2026-12-06, Intel Xeon @ 2.80GHz,
-Ice Lake server, 2 cores, AVX-512 VNNI; torch 2.13 MKL; us per call, 1 thread / 2; Q4_0):
-
-    N x K        M   int8 kernel     dequant + SGEMM   SGEMM on fp32 W
-    960x576      1     22.8 / 15.4      182 / 76         79 / 31
-    960x576     16      138 / 76        345 / 440       231 / 383
-    960x576     64      543 / 279       673 / 388       540 / 287
-    3072x576     1     60.7 / 33.3      571 / 304       252 / 131
-    3072x576    16      431 / 219      1112 / 1473      758 / 1251
-    3072x576    64     1731 / 877      2216 / 1395     1881 / 1000
-    576x1536     1     28.8 / 18.7      283 / 153       118 / 61
-    49152x576    1     1223 / 512         -             8504 / 4297
-
-(Q4_1 5-25% slower than Q4_0, the most at one row; Q8_0 as fast, twice the bytes, but for the
-head at one row: 3751 / 1711 us. At one row the kernel reads 11-17 GB/s of Q4_0 a thread, the
-head ~13 GB/s on one thread and ~30 on two.) The int8 kernel holds 115-150 GFLOP/s a thread
-from 16 rows, SGEMM's pace on this CPU (~130 at 64 rows), so dequantizing pays only once it
-spreads over many rows: at 128 rows the two paths took the same time (Q4_0, one thread: int8
-1117 / dequant 1117 us on 960x576, 3847 / 4335 on 3072x576), at 256 dequant + SGEMM was ~10%
-faster (2239 / 1964, 8087 / 7215). So INT8_MAX_ROWS = 128, and the exact path above it.
+The int8 kernel keeps pace with SGEMM per row from a few rows on, so dequantizing the whole
+weight pays only once its cost spreads over many rows: INT8_MAX_ROWS = 128 is where the two
+paths meet, and the exact path runs above it (``python -m loadtest.engine.quant_linear_bench``; the
+tables: docs/perf-log.md, "Quantized linear kernels").
 
 The fp32 kernel (``small_mode="f32"``, a constructor keyword and attribute; "int8" is the
 default): each weight block is dequantized in registers (bit-equal to the reference) and
 multiplied into fp32 accumulators by FMA, x kept fp32, so the result is ``F.linear(x,
-dequantize(W), b)`` up to the fp32 sums' order.
-``python -m loadtest.engine.quant_linear_bench --types q4_1 q8_0 --shapes 960x576 3072x576
-576x1536 49152x576`` (2026-12-06, the same CPU; us per call, 1 thread / 2; the Q8_0 2-thread
-figures were lost to another process on the box):
-
-    type N x K        M   f32 kernel     int8 kernel     dequant + SGEMM
-    Q4_1 960x576      1    58.0 / 32.6    25.9 / 17.2      191 / 84
-    Q4_1 960x576     16     292 / 186      149 / 106       357 / 579
-    Q4_1 960x576     64    1164 / 668      576 / 295       670 / 392
-    Q4_1 3072x576     1     176 / 90      77.8 / 39.1      616 / 303
-    Q4_1 3072x576    16     931 / 585      462 / 233      1169 / 1459
-    Q4_1 576x1536     1    85.4 / 45.8    34.9 / 21.1      298 / 153
-    Q4_1 49152x576    1    2886 / 1436    1235 / 631        -
-    Q8_0 960x576      1    45.7           23.9             201
-    Q8_0 960x576     16     293            131             379
-    Q8_0 3072x576    64    3700           1577            2206
-
-The fp32 kernel runs ~60 GFLOP/s a thread from 4 rows, half the int8 kernel's pace, and half
-its speed at one row too: per block of 4 weight rows it spends ~37 cycles (int8: ~11), bound
-by port 5 (the nibble expansion, two vpermps, the fp16 scale converts and broadcasts per row).
-Not within 15% of int8 at 1 and 16 rows, so "int8" stays the default (speed, at the cost of
-x's rounding); "f32" is there for exactness (e.g. parity with Hugging Face). Its threshold,
-F32_MAX_ROWS = 16: it beat dequantize + SGEMM at 16 rows, lost at 64. ``small_max_rows`` (a
+dequantize(W), b)`` up to the fp32 sums' order. It is about half the int8 kernel's speed at
+every row count, bound by one execution port (the nibble expansion, two vpermps, the fp16 scale
+converts and broadcasts per row), so "int8" stays the default (speed, at the cost of x's
+rounding); "f32" is there for exactness (e.g. parity with Hugging Face). Its threshold,
+F32_MAX_ROWS = 16: it beats dequantize + SGEMM at 16 rows and loses at 64. ``small_max_rows`` (a
 keyword and attribute) overrides either threshold per weight; 0: always dequantize + SGEMM.
 
 Each call splits its work into ``torch.get_num_threads()`` parts (read at each call), fewer for a
@@ -102,17 +69,17 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopen
 INT8_MAX_ROWS = 128
 # The small-M kernels: "f32" (dequantize in registers, fp32 FMA) or "int8" (x rounded to int8).
 SMALL_MODES = ("f32", "int8")
-SMALL_MODE = "int8"  # the fp32 kernel took twice its time (the module docstring)
-# Rows up to which the fp32 kernel runs by default: it beat dequantize + SGEMM at 16 rows, lost
+SMALL_MODE = "int8"  # the fp32 kernel is about half its speed (the module docstring)
+# Rows up to which the fp32 kernel runs by default: it beats dequantize + SGEMM at 16 rows, loses
 # at 64 (the module docstring).
 F32_MAX_ROWS = 16
-# Work a part of an int8 call has at least (linear_parts' units): two threads broke even at
-# ~2,300 (128 x 576, one row: 8.9 us on one, 8.7 on two), 256 x 576 (4,608) went 11.1 -> 9.7.
+# Work a part of an int8 call has at least (linear_parts' units): about where two threads break
+# even with one (a one-row call over a 128 x 576 weight); smaller calls stay whole.
 MIN_PART_WORK = 1 << 11
-# Elements a part of a dequantize has at least: ~13 us of work at ~5 G elements/s a thread.
+# Elements a part of a dequantize has at least: enough work to outweigh waking a thread.
 MIN_PART_ELEMS = 1 << 16
 # The dequantize path keeps its fp32 scratch per thread up to this size; larger weights take a
-# fresh buffer each call (held memory over allocation cost, e.g. a 49152 x 576 head: 113 MB).
+# fresh buffer each call (held memory over allocation cost, e.g. a large vocabulary's head).
 SCRATCH_MAX_BYTES = 64 << 20
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

@@ -6,13 +6,13 @@ projection shapes, per weight type and row count, one thread and all of them:
 
 Per (type, N x K, M): microseconds per call of the fp32 kernel (``f32``: each weight block
 dequantized in registers, x kept fp32), of the int8 kernel on the row layout (``int8``) and on
-tiles of 16 rows (``tiles``: the decode engine's form where the build has it, csrc/quant_tiles.c;
-``-`` elsewhere), of dequantize + SGEMM (``deq+gemm``: the path above ``small_max_rows``, into
-the reused scratch) and of ``F.linear`` on the already dequantized fp32 weight (``fp32``: what
-an unquantized model pays); the kernels' GFLOP/s (2 M N K per call) and the f32 kernel's
-packed-weight bytes read per second. Each figure
-is the median of repeated calls after a warm-up (the best of ``--rounds`` such medians); the
-weights are random (the kernels' speed does not depend on the values). About 25 s a round.
+tiles of 16 rows (``tiles``: the decode engine's form where the build has it,
+kernels/cpu/csrc/quant_tiles.c; ``-`` elsewhere), of dequantize + SGEMM (``deq+gemm``: the
+path above ``small_max_rows``, into the reused scratch) and of ``F.linear`` on the already
+dequantized fp32 weight (``fp32``: what an unquantized model pays); the kernels' GFLOP/s
+(2 M N K per call) and the f32 kernel's packed-weight bytes read per second. Each figure is the
+median of repeated calls after a warm-up (the best of ``--rounds`` such medians); the weights
+are random (the kernels' speed does not depend on the values). About 25 s a round.
 """
 
 from __future__ import annotations

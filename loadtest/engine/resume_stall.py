@@ -1,11 +1,10 @@
 """The resume stall: what readmitting a swapped-out sequence costs the decode step that
 readmits it, with and without prefetch on resume (shared/engine/kv_prefetch.py).
 
-    flock /tmp/baton-bench.lock python -m loadtest.engine.resume_stall --model
-    /tmp/baton-models/qwen2-0.5b
+    python -m loadtest.engine.resume_stall [--model DIR]   # default: the qwen2-0.5b preset's model
 
 A source decode engine swaps ``--resumes`` sequences of ``--context`` tokens out to the spill
-store (a priority-9 request preempting each: issue 28's rule), and a target decode engine
+store (a priority-9 request preempting each, by priority preemption), and a target decode engine
 running ``--batch`` sequences resumes them, one every few steps, alternately with
 ``BATON_DECODE_KV_PREFETCH`` off and on (off first in even rounds, on first in odd ones). Per
 resume it times the step that admits the sequence and the one after it, against the median step
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from loadtest.models import preset_model
 from shared.config import BatonConfig
 from shared.engine.build import build_decode_engine
 from shared.engine.outputs import Handoff, NewRequest
@@ -91,7 +91,7 @@ def run(cfg: BatonConfig, model: Path, args: argparse.Namespace) -> dict[str, An
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=Path("/tmp/baton-models/qwen2-0.5b"))
+    p.add_argument("--model", type=Path, default=None, help="default: models/qwen2-0.5b-qwen2")
     p.add_argument("--context", type=int, default=1024, help="tokens of each resumed sequence")
     p.add_argument("--batch", type=int, default=4, help="sequences decoding meanwhile")
     p.add_argument("--batch-context", type=int, default=128)
@@ -101,6 +101,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    args.model = args.model or preset_model("qwen2-0.5b")  # built on first use
     torch.set_num_threads(args.threads)
     blocks = args.batch * (args.batch_context + 200) + 2 * args.resumes * (args.context + 200)
     rows = []

@@ -1,11 +1,13 @@
 """One decode step and one prefill wave of a real-size model, timed and profiled by op.
 
-    flock /tmp/baton-bench.lock python3 -m loadtest.engine.step_profile \
-        [--model /tmp/baton-models/qwen2-0.5b] [--dtype float32 bfloat16] [--threads 1 2] \
+    python3 -m loadtest.engine.step_profile \
+        [--model DIR|FILE.gguf] [--dtype float32 bfloat16] [--threads 1 2] \
         [--weight-format dequantized packed] \
         [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile] \
         [--contend 3.4,10]
 
+``--model`` defaults to the ``qwen2-0.5b`` preset's random model (``models/qwen2-0.5b-qwen2``,
+built on first use: loadtest/models.py).
 The runner is the decode engine's own (ModelRunner from a BatonConfig with its weight forms, CPU
 kernels as the services pick them). Prefill: ``batch`` prompts of ``prompt`` tokens in one forward.
 Decode: steps of the whole batch until the context reaches ``context`` tokens; the median step over
@@ -41,6 +43,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from loadtest.engine import roofline  # noqa: E402
+from loadtest.models import preset_model  # noqa: E402
 from shared.models.catalog import resolve_model  # noqa: E402
 from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  # noqa: E402
 
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="/tmp/baton-models/qwen2-0.5b")
+    parser.add_argument("--model", help="as BATON_MODEL names one (default: qwen2-0.5b preset)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
@@ -227,6 +230,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
+    args.model = args.model or str(preset_model("qwen2-0.5b"))
     for threads in args.threads:
         for dtype in args.dtype:
             for weight_format in args.weight_format:

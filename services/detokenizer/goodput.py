@@ -6,7 +6,7 @@ DistServe): a ``done`` with ``stop`` or ``length`` whose time to first token is 
 no objective on that one). The detokenizer judges it because it sees both the first token and
 the end. Every terminal reply is judged — errors, cancels and timeouts count as missed — so
 ``rate(baton:request_goodput_total[5m]) / rate(baton:request_slo_judged_total[5m])`` is the
-fraction served within the objectives (docs/deploy.md, "Goodput").
+fraction served within the objectives (docs/deploy.md, "Health and metrics": Goodput).
 """
 
 from __future__ import annotations

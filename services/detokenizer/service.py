@@ -112,9 +112,7 @@ class DetokenizerService:
         """The other shards, one ``detok_standby_delay_s`` apart, so that replicas started
         together each take their home shard first; but a shard that holds work and has no
         consumer at all is taken at once: no replica is there to take it first, and a lone
-        replica left the requests hashed to its second shard waiting out the delay (the first
-        request after a start, 0.67-0.91 s in 3 of 12 runs of loadtest.faults.burst_onset,
-        2026-12-05)."""
+        replica would leave the requests hashed to its second shard waiting out the delay."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         due = {  # shard -> when it is taken at the latest

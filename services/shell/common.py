@@ -41,9 +41,8 @@ def freeze_startup_heap() -> None:
     """Hide everything built at start-up (torch, transformers, the model, the tokenizer, the
     broker connection) from the cyclic garbage collector: it lives as long as the process.
 
-    Left in, every full collection walked it, ~310k objects: under the priority flood
-    (tests/fault/test_priority.py) decode's process spent 132 ms in one (a per-process GC
-    trace, once in the 6 s served; none with the freeze). Collections now walk only what serving
+    Left in, every full collection walks it — hundreds of thousands of objects, a pause long
+    enough to show in a priority request's first token. Collections now walk only what serving
     created."""
     gc.collect()
     gc.freeze()

@@ -9,13 +9,11 @@ stay unpinned. Unset, a service may run anywhere.
 ``python -m services up`` runs both engines on this machine. By default they are not pinned
 apart: they share every CPU and each takes, before a step, all of them while the other engine is
 idle and half while both are busy (``BATON_CPU_SHARE``, shared/engine/cpu_share.py). Pinned to
-halves with one thread each (the default until 2026-12-05), a burst's prefill ran on one core
-while the other idled, then its decode did the same (Qwen2-0.5B shape, 16 x 128 -> 32 on 2
-cores: 3.5 s + 4.5 s); figures for both in docs/engine.md ("CPUs"). With ``BATON_CPU_SHARE=0``
+halves with one thread each, a burst's prefill would run on half the cores while the other half
+idled, then its decode the same (docs/perf-log.md, "CPU sharing"). With ``BATON_CPU_SHARE=0``
 and neither list given, ``up`` still gives them the two halves of its CPUs
-(:func:`split_engine_cpus`; measured then on 2 cores, Zen 3, 2026-12-04, three interleaved pairs
-unpinned / halves: 2,507 / 2,653, 2,313 / 2,319, 2,283 / 2,442 tok/s, our reading: left alone
-the kernel's balancer at times put both one-thread engines on one core). Lists given, engines
+(:func:`split_engine_cpus`): left alone, the kernel's balancer may put both one-thread engines
+on one core. Lists given, engines
 on the same set share it and engines on disjoint sets never halve each other (the table is per
 CPU set). An explicitly empty list (``BATON_DECODE_CPUS=``) keeps an engine unpinned.
 

@@ -111,9 +111,8 @@ class EngineService(ABC):
         self._last_step_at = 0.0  # time.monotonic() after the last step
         # Every step on one thread of its own. torch's thread count (OpenMP's) is a setting of
         # the calling thread, and each calling thread keeps its own OpenMP team: steps spread
-        # over asyncio's shared pool (asyncio.to_thread; the spill poller uses it too) ran at
-        # whatever count that worker last had — decode alone at 1 of 2 budgeted threads, 85-88
-        # vs 48 ms a step at the qwen2-0.5b shape, bf16, 2026-12-05.
+        # over asyncio's shared pool (asyncio.to_thread; the spill poller uses it too) would run
+        # at whatever count that worker last had, not the budget's.
         # Its nice (BATON_STEP_NICE) lets the pipeline's light work preempt the forwards;
         # checked here, since a worker's initializer that raises only breaks the pool.
         check_nice(config.step_nice)
@@ -281,14 +280,13 @@ class EngineService(ABC):
         """On waking to work: a burst (more than one request already here) waits for the rest
         of it to join the first batch, until none has come for ``batch_wait_s`` (at most
         ``batch_wait_max_s``); a lone request does not wait for company that is not coming (the
-        wait was ~40% of a 1-token request's pipeline overhead).
+        wait would be a large share of a 1-token request's pipeline overhead).
 
-        Why until quiet, not one fixed gap: a burst of 16 reached prefill over tens of ms
-        (each request tokenized and published in turn), so one 4 ms gap started the first
-        wave with 3 of them; decode then began those 3 while prefill ran the other 13, each
-        on half the cores (qwen2-0.5b shape, fp32: TTFT p50 7.3 s for the 13, 2026-12-05).
-        The tokenizer's transactions deliver a burst in clusters ~4-6 ms apart, hence the
-        default gap of 10 ms (prefill_batch_wait_s)."""
+        Why until quiet, not one fixed gap: a burst reaches prefill over tens of ms (each
+        request tokenized and published in turn, in clusters a few ms apart), so one short gap
+        would start the first wave with a few of them; decode would then begin those while
+        prefill ran the rest, each on half the cores. Hence a default gap longer than the
+        clusters' spacing (prefill_batch_wait_s)."""
         await asyncio.sleep(0)  # take in what the socket already holds
         if len(self.inbox) <= 1:
             return

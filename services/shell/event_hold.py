@@ -1,9 +1,9 @@
 """Decode's token events, held briefly so that several steps share one broker message.
 
-Every decode step used to send one ``DetokMsg`` per detokenizer shard. On a small machine the
-broker's per-message cost (persistent, confirmed: ~0.5 ms of its CPU each) and the
-detokenizer's are paid on the same cores as the model, while the detokenizer itself coalesces
-what clients see (``stream_interval_s``, 50 ms and more). So decode holds a step's events for
+Sent at once, every decode step would cost one ``DetokMsg`` per detokenizer shard. On a small
+machine the broker's per-message cost (persistent, confirmed) and the detokenizer's are paid on
+the same cores as the model, while the detokenizer itself coalesces what clients see
+(``stream_interval_s``). So decode holds a step's events for
 up to ``interval_s`` and sends them with a later step's, merged per request.
 
 What is never held (the caller says ``urgent``): a step that finishes, fails, hands off or

@@ -1,11 +1,10 @@
 """A thread budget the engines of one deployment share: whoever has work gets the cores.
 
 Prefill and decode on one machine take turns more than they overlap (a burst's prefill, then its
-decode). Pinned to halves with one thread each, each phase ran on one core while the other idled
-(2 cores, Qwen2-0.5B shape, 16 x 128 -> 32: prefill 3.5 s, then decode 4.5 s, each on one core).
-Instead every engine runs on the whole CPU set and, before each step, takes a thread count from a
-table both see: all of its cores if no other engine of the deployment is busy, else an equal share
-(``budget``). The counts follow the work between the layers of a step
+decode). Pinned to halves with one thread each, each phase would run on half the cores while the
+other half idled. Instead every engine runs on the whole CPU set and, before each step, takes a
+thread count from a table both see: all of its cores if no other engine of the deployment is
+busy, else an equal share (``budget``). The counts follow the work between the layers of a step
 (:meth:`CpuShareManager.rebalance`).
 
 The table is a small file in /dev/shm, one per deployment (broker host, port and vhost) and CPU
@@ -15,9 +14,9 @@ whose process is gone, or whose heartbeat is older than ``TTL_S`` (a hung engine
 and is reused. Writes of one's own slot are unlocked (a stale read costs one step at the wrong
 count); claiming a slot takes the file's lock.
 
-Measured (docs/engine.md "CPUs"): ``torch.set_num_threads`` costs ~0.1 us here, and it is called
-only when the calling thread's count differs, in the thread that runs the step (OpenMP's thread
-count is a per-thread setting: the engine service runs every step on one thread of its own).
+``torch.set_num_threads`` is cheap, and it is called only when the calling thread's count
+differs, in the thread that runs the step (OpenMP's thread count is a per-thread setting: the
+engine service runs every step on one thread of its own).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import hashlib
 import mmap
 import os
 import struct
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,11 +34,9 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 T = TypeVar("T")
-# Every model shares, however small. Sharing once cost the bench model (14 MB of fp32 weights)
-# 18% (3,328 tok/s split vs 2,729 shared, 2026-12-05), and only models of 64 MiB of layer
-# weights and more shared; since decode yields to a prefill wave and OpenMP's team spins
-# between GEMMs, the bench model gains from it too (median of three passes, four alternating
-# pairs, 2-core Xeon: 4,578 tok/s split vs 5,012 shared on average, TTFT p50 ~280 -> ~200 ms).
+# Every model shares, however small: with decode yielding to a prefill wave and OpenMP's team
+# spinning between GEMMs, a small model gains from sharing as a large one does
+# (docs/perf-log.md, "CPU sharing").
 SLOTS = 16
 # pid, busy, heartbeat (time.time()), and how many sequences the engine serves (waiting and
 # running: what a step of it stands for, :meth:`CpuShareManager.decode_yields`).
@@ -48,7 +46,7 @@ SLOT = struct.Struct("<qqdq")
 BUSY, BUSY_PREFILL = 1, 2
 TABLE_BYTES = SLOTS * SLOT.size
 TTL_S = 30.0  # longer than any one step: a busy engine refreshes its heartbeat once per step
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 def table_path(amqp_url: str, cpus: frozenset[int], root: Path = SHM_DIR) -> Path:
@@ -140,9 +138,8 @@ class CpuShareManager:
         prefill takes every core at its next layer.
 
         Why: a decode step streams every weight whatever its batch, so beside a prefill wave a
-        decode of one or two sequences took half the cores for as long as the wave ran (Qwen2-0.5B
-        shape, fp32, a burst's lone first request: 31 steps of ~110 ms on one core while the
-        other 15 prompts' wave took 6.3-6.5 s, 4.0-4.7 s alone). A single engine runs such
+        decode of one or two sequences (a burst's lone first request) would take half the cores
+        for as long as the wave ran, slowing the wave by as much. A single engine runs such
         decodes inside its prefill's forward, a token per forward; this is the same trade, with
         a bound.
 

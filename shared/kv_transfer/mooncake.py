@@ -69,8 +69,9 @@ _PAGE = 1 << 12
 _SCRATCH = 8192  # int64 words: pin tables of up to 8190 blocks are read in one piece
 MAX_BATCH = 256  # entries per batch call: the TCP transport rejects very large batches
 # How often a layer-wise pull re-reads the progress record. Each read is served by the sender's
-# transfer engine, on the cores computing the prompt: polling every 0.2 ms doubled a 2k prompt's
-# TTFT on 2 cores, every 2 ms still cost an 8k prompt a third. So after each layer the pull
+# transfer engine, on the cores computing the prompt: polling at a fixed short interval takes
+# those cores from the prompt's forward and delays its first token, on a small machine by much
+# of the forward (docs/perf-log.md, "Layer-wise handoff"). So after each layer the pull
 # sleeps most of the time the last one took (LAYER_POLL_AHEAD of it), then polls from
 # LAYER_POLL_S doubling to LAYER_POLL_MAX_S, which bounds how late it sees the last layer (and,
 # once every layer is in, the first token: no sleep ahead then).

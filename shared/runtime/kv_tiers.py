@@ -16,7 +16,7 @@ block table holds outside a forward. Host cache: block-major ``[H, L, 2, ...]``,
 crosses PCIe as one DMA copy into a device bounce buffer of the same layout (``[S, L, 2, ...]``,
 beside the pool), and one device copy turns that into the pool's layout. The pool's layout on
 the host side would make every block ``2 L`` strided pieces, which torch copies through pageable
-memory (3 GB/s measured on an H200, against 55 GB/s for a pinned slab).
+memory, far slower than one pinned slab (docs/perf-log.md, "Host tier").
 
 Invariants: a forward stages at most ``S`` distinct host blocks (``split`` cuts a batch into
 forwards that each fit; ``S`` covers the longest sequence, so one always does); a block written

@@ -94,8 +94,8 @@ def read_checkpoint(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
                 short = name.removeprefix("model.")
                 tensor = f.get_tensor(name)
                 # A copy, also in the file's own dtype: get_tensor's tensor maps the file, and
-                # any one of them kept (a norm) would keep every page read resident (a 4.2 GB
-                # fp32 checkpoint: each engine's RSS 2x its weights).
+                # any one of them kept (a norm) would keep every page read resident (each
+                # engine's RSS would then hold the file beside its weights).
                 weights[short] = tensor.to(dtype) if tensor.dtype != dtype else tensor.clone()
     return weights
 

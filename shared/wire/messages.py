@@ -286,7 +286,8 @@ class TokenEvent:
 @dataclass
 class StreamMark:
     """How far a request's stream was answered: the token replies committed so far end before
-    output position ``next_index`` and text offset ``text_offset`` (detokenizer/marks.py)."""
+    output position ``next_index`` and text offset ``text_offset``
+    (services/detokenizer/marks.py)."""
 
     request_id: str
     next_index: int

@@ -2,7 +2,8 @@
 internal-queue case against the services as separate processes, with zero violations — each
 case answered once, with a contract error or a well-formed completion, or dead-lettered with a
 log line, and a known-good request served after every batch. ``-s`` shows the outcome table.
-The full run is ``python -m loadtest fuzz --cases 1000`` (README, "Fuzzing")."""
+The full run is ``python -m loadtest fuzz --cases 1000``
+(docs/reliability.md, "What the fault tests check")."""
 
 from __future__ import annotations
 

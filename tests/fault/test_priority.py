@@ -15,7 +15,7 @@ scenario runs once (the ``run`` fixture prints its figures); the checks:
   that the four hops of a first token need: the median ratio measured 1.3x to 2.2x (2.14x in a
   CI run), the p99 ratio 2.0x to 4.2x, far more with other work on the machine (2.1x to 9.4x in
   eight runs of 2026-12-04: outliers of 70-150 ms that a per-hop trace put inside the broker);
-  5x to 12x before the scheduling policy (docs/scheduling.md, "Measured").
+  5x to 12x before the scheduling policy (docs/perf-log.md, "Priority under a flood").
 
 Priority-9 requests sent while the flood is still being taken in (tokenized, registered,
 prefilled) are measured and printed, not checked: there they share every hop with the flood's own

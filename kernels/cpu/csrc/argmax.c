@@ -1,8 +1,8 @@
 /* Row-wise argmax of fp32 rows (a decode step's logits), CPU.
  *
- * torch.max(dim=-1) tracks an index beside every compared value, one lane at a time: 260-380 us
- * for 64 rows of a 4,096-token vocabulary on one Zen 4 core, 2-3% of a batch-64 decode step of
- * the bench model (~94 us here, the Python call included). Here each row takes two passes: a 16-lane maximum, then a scan for its first
+ * torch.max(dim=-1) tracks an index beside every compared value, one lane at a time: a visible
+ * share of a small model's decode step at large batches. Here each row takes two passes: a
+ * 16-lane maximum, then a scan for its first
  * occurrence (the row is in L1/L2 by then). The answer is torch's exactly: the first index of the
  * maximum, and a NaN counts as larger than any number (the first NaN's index if the row has one).
  */

@@ -2,10 +2,10 @@
  * residual add), SiLU(gate) * up; rotate-half RoPE in bf16 (fp32's is rope.c, bit-equal to torch).
  *
  * torch runs each op as its own pass with a fresh output (and in bf16 widens to fp32, computes and
- * rounds back each time): in a 16 x 128-token prefill wave of the qwen2-0.5b bench shape (one
- * thread, AMX Xeon) bf16 mul / silu / add / pow / copy took ~0.9 s of 2.9 s, next to 1.5 s of
- * projections; a decode step of a small model pays each op's dispatch instead (an fp32 RMSNorm is
- * six ATen calls). Here each row is read once, computed in fp32 in registers, and written once.
+ * rounds back each time): in a bf16 prefill wave these passes cost a large share beside the
+ * projections (docs/perf-log.md, "Elementwise ops in C"); a decode step of a small model pays
+ * each op's dispatch instead (an fp32 RMSNorm is six ATen calls). Here each row is read once,
+ * computed in fp32 in registers, and written once.
  *
  * Rounding: RMSNorm and the residual add round where transformers does (bf16: the sum to bf16, the
  * normalised row to bf16, then weight * it to bf16; fp32: x * r, then weight * it), so only the
@@ -16,9 +16,8 @@
  *
  * Each call splits its rows into `parts` contiguous ranges on torch's OpenMP team (this library
  * links libgomp, which resolves to the copy torch has loaded: one runtime, one team, as in
- * paged_decode_attention.c); a row is computed the same way whichever thread takes it. They ran
- * on the calling thread alone before, while the other core waited: in a 16 x 128-token bf16
- * prefill wave of the Qwen2-0.5B shape, SiLU * up alone took 9.4 ms a layer (2 threads asked). */
+ * paged_decode_attention.c); a row is computed the same way whichever thread takes it, and no
+ * core of the step's budget waits while one thread computes them all. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -121,7 +120,7 @@ void baton_add_rms_norm_f32(float *h, const float *delta, int64_t rows, int64_t 
 
 /* silu(g) * u over 16 lanes in GCC's vector types (the compiler does not vectorise the scalar
  * form). e^-g as Cephes' expf, to ~2 ulp of fp32: -g = n ln2 + r, a degree-6 polynomial in r,
- * times 2^n built in the exponent bits; libm's expf is a scalar call, ~10x slower here. The
+ * times 2^n built in the exponent bits; libm's expf is a scalar call, far slower here. The
  * argument is clamped to [-87.3, 88] (e^x below is taken as 2^-126, above as e^88: silu moves
  * by under 1e-36, its bf16 value not at all). A NaN lane stays NaN; silu(+inf) * u is inf * u,
  * silu(-inf) -inf * u. */

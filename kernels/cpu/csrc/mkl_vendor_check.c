@@ -1,4 +1,4 @@
-/* Preloaded ahead of torch (LD_PRELOAD) by shared/runtime/mkl_dispatch.py.
+/* Preloaded ahead of torch (LD_PRELOAD) by kernels/cpu/mkl_dispatch.py.
  *
  * MKL asks this exported function whether the CPU is Intel's before it picks its kernels, and on
  * any other vendor runs its generic AVX2 code whatever the CPU supports. Answering yes leaves the

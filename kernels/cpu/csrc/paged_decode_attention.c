@@ -24,7 +24,7 @@
  * holds; a bf16 element widens exactly to fp32 (its 16 bits are a float's top half), so both
  * caches share one code path, each pass compiled once per element type (always_inline with the
  * type a constant: no branch is left in the loops). In bf16 this replaces torch's gather, bmm
- * and embedding_bag: a batch-16 decode step of the Qwen2-0.5B shape, 44-45 -> 40.5 ms. */
+ * and embedding_bag, each a widening pass and a fresh tensor of its own. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,10 +48,10 @@ INLINE const void *kv_ptr(const void *pool, int64_t i, int bf16)
 }
 
 /* Ask for the next block's rows while this one is computed: blocks sit anywhere in the pool,
- * so the hardware prefetcher, which follows the current run, would miss the jump (measured
- * batch 64, context ~170: attention 2.8 -> 2.5 ms a step with the scores pass alone). Into L2
- * (locality 1: prefetcht2), not L1: a block is 128 lines asked for at once, and on the Zen 4
- * machine L1 prefetches made attention 6.0 -> 4.9 ms slower than these (batch 64, ~160). */
+ * so the hardware prefetcher, which follows the current run, would miss the jump. Into L2
+ * (locality 1: prefetcht2), not L1: a block is 128 lines asked for at once, more than L1's miss
+ * buffers take, and prefetching them into L1 made attention slower than this
+ * (docs/perf-log.md, "Decode attention kernel"). */
 static inline void prefetch_rows(const void *start, int64_t num_bytes)
 {
     const char *p = (const char *)start;
@@ -460,15 +460,10 @@ static void attend_rows_bf16(const struct attend_args *a, int64_t b0, int64_t b1
  * the `parts` is free (a dynamic schedule), not in one fixed range a thread. Two reasons: rows
  * cost what their context costs, so fixed halves of a batch of mixed lengths finish apart; and
  * on a machine shared with the broker and the light services, a thread the kernel preempts no
- * longer leaves its whole range to wait for it (only the chunk it holds). Measured with this
- * build and the fixed-range one swapped every 25 steps in one process (bench model, batch 64,
- * context 160, two threads, 2-core Xeon, 2026-12-05, three runs): decode step 6.90 / 9.45 /
- * 10.80 ms against 7.06 / 9.76 / 10.83 quiet, 12.71 / 13.68 / 16.05 against 13.34 / 14.15 /
- * 16.92 beside a process busy 3.4 ms in every ~10 (the load of `python -m
- * loadtest.engine.step_profile --contend 3.4,10`); bf16 at the Qwen2-0.5B shape, batch 16: 87.9
- * against 88.4 ms quiet. A small gain: most of what a preempted thread costs a step is in the
- * GEMMs, whose split is the library's. A row is computed the same way whichever thread takes
- * it. */
+ * longer leaves its whole range to wait for it (only the chunk it holds). A small gain: most of
+ * what a preempted thread costs a step is in the GEMMs, whose split is the library's
+ * (docs/perf-log.md, "Decode attention kernel"). A row is computed the same way whichever
+ * thread takes it. */
 #define ROWS_PER_CHUNK 4
 
 static void split_rows(rows_fn fn, const struct attend_args *a, int64_t batch, int64_t parts)

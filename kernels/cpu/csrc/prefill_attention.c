@@ -1,13 +1,12 @@
 /* Causal attention of fresh prompts (no cached prefix), CPU, fp32, head sizes that are multiples
  * of 16.
  *
- * SDPA's fused CPU kernel (flash_attention_for_cpu) runs a 128-token prompt's heads of 32 at
- * ~10 GF/s: its blocking is made for long sequences and large heads, and each call pays for its
- * own set-up. A prompt's K and V for one KV head are small (32 x 128 floats: 16 KB each), so here
- * each (sequence, KV head) copies them once into a transposed K tile and a contiguous V tile that
- * stay in L1/L2, and the head group's query rows are computed from them sixteen at a time
- * (register-blocked: see block()), 2.0-2.3x faster than SDPA's path (16 prompts of 128 tokens,
- * 8 query and 4 KV heads of 32, one thread, Zen 4: ~4.3 against ~9.7 ms a layer):
+ * SDPA's fused CPU kernel (flash_attention_for_cpu) runs a short prompt's small heads far below
+ * the core's peak: its blocking is made for long sequences and large heads, and each call pays for
+ * its own set-up. A prompt's K and V for one KV head are small (32 x 128 floats: 16 KB each), so
+ * here each (sequence, KV head) copies them once into a transposed K tile and a contiguous V tile
+ * that stay in L1/L2, and the head group's query rows are computed from them sixteen at a time
+ * (register-blocked: see block(); docs/perf-log.md, "Prefill attention kernel"):
  *
  *   s[j] = scale * q_i . k_j                     i - W < j <= i (causal: a block of rows
  *                                                computes the tiles up to its last row, masks
@@ -20,7 +19,7 @@
  * query head hq uses KV head hq / group (transformers' repeat_kv order). The exp is Cephes'
  * single-precision polynomial on 16 lanes (within a few ulp of expf), so the numbers equal SDPA's
  * up to rounding, like the decode kernel's. Work items (sequence, KV head) split into up to
- * `parts` ranges on threads of our own (see paged_decode_attention.c for why not the caller's). */
+ * `parts` ranges on torch's OpenMP team (one runtime, as in paged_decode_attention.c). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -23,11 +23,11 @@
  * ones), against the x block's two halves broadcast to every row's lanes. So a 512-bit vector
  * is four weight rows' dot products with one x block, two vpdpbusd, and they are scaled and
  * summed with one cvt, one mul (d * dx) and one FMA per x row. The four lanes of a row are
- * added at the end, in a fixed order. Tried and dropped (Ice Lake, one thread): two blocks of
- * one row per vector (twice the float work per block) ran 1.7x slower from 16 rows (Q4_1,
- * 960 x 576); one row's four blocks per vector (no inserts, one vpermt2b for four rows' worth)
- * no faster at 1 row and ~10% slower at 64. At 1 row a block of four rows takes ~11 cycles;
- * without either vpermt2b it took ~10 (measured by leaving one out): no one step dominates.
+ * added at the end, in a fixed order. Not chosen: two blocks of one row per vector (twice the
+ * float work per block: slower from a few rows on); one row's four blocks per vector (no
+ * inserts, one vpermt2b for four rows' worth: no faster at one row, slower at many). At one row
+ * no single step of a block dominates: leaving out either vpermt2b saves little
+ * (docs/perf-log.md, "Quantized linear kernels").
  *
  * Three builds, chosen at compile time (-march=native):
  *  - AVX-512 VNNI + BW + VBMI (Ice Lake, Sapphire Rapids, Zen 4): 4 weight rows x 8 x rows a

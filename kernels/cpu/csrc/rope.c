@@ -3,8 +3,8 @@
  * x[t, h, :] <- x * cos[t] + swap_halves(x) * sin[t]   (sin's first half already negated)
  *
  * The model's torch form (model.py apply_rope) makes a swapped copy with cat and three more
- * full-size temporaries (two products and their sum): ~6 ms of a 16 x 128-token prefill wave of
- * the bench model, one thread. Here each head row is read once and written back. The products and
+ * full-size temporaries (two products and their sum), each a pass over memory. Here each head row
+ * is read once and written back. The products and
  * the sum are rounded one at a time, as torch's eager ops round them: this file is compiled with
  * -ffp-contract=off, so no multiply-add is fused and the results are torch's bit for bit. */
 #include <stdint.h>

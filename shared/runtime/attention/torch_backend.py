@@ -188,8 +188,8 @@ class TorchPrefillMetadata:
                 span = s.context_len - ctx.first
                 ks, vs = kv[0, :span], kv[1, :span]
                 mask = ctx.mask
-            # Repeating K/V per query head lets SDPA take its fused CPU kernel (~2x faster
-            # than its enable_gqa path, which falls back to unfused math on CPU).
+            # Repeating K/V per query head lets SDPA take its fused CPU kernel (its enable_gqa
+            # path falls back to unfused math on CPU).
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None],
                 _per_query_head(ks, group),
