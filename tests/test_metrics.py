@@ -21,9 +21,13 @@ from shared.observability.metrics import Metrics
 # The names the brief, dashboards and docs/deploy.md rely on (vLLM's, with the baton: prefix).
 EXPECTED_FAMILIES = {
     "baton:time_to_first_token_seconds": "histogram",
+    "baton:inter_token_latency_seconds": "histogram",
     "baton:time_per_output_token_seconds": "histogram",
+    "baton:request_time_per_output_token_seconds": "histogram",
     "baton:e2e_request_latency_seconds": "histogram",
     "baton:request_queue_time_seconds": "histogram",
+    "baton:pipeline_time_to_first_token_seconds": "histogram",
+    "baton:pipeline_e2e_request_latency_seconds": "histogram",
     "baton:num_requests_running": "gauge",
     "baton:num_requests_waiting": "gauge",
     "baton:queue_depth": "gauge",
@@ -50,6 +54,9 @@ EXPECTED_FAMILIES = {
 }
 
 
+MODEL = "tiny-random"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,8 +68,11 @@ def _families(text: str) -> dict:
 
 
 def _sample(families: dict, family: str, sample: str, **labels: str) -> float:
+    """The value of ``sample`` with ``labels``, and ``model_name`` but on the device's series."""
+    per_model = not family.startswith("baton:gpu_")
     for s in families[family].samples:
-        if s.name == sample and s.labels == labels:
+        rest = {k: v for k, v in s.labels.items() if k != "model_name"}
+        if s.name == sample and rest == labels and ("model_name" in s.labels) == per_model:
             return s.value
     raise KeyError((family, sample, labels))
 
@@ -86,7 +96,7 @@ def _get(path: str) -> bytes:
 
 @pytest.fixture
 async def served():
-    metrics = Metrics()
+    metrics = Metrics(MODEL)
     state = {"ready": False}
     port = _free_port()
     server = await start_metrics_server(port, metrics, lambda: state["ready"], host="127.0.0.1")
@@ -97,14 +107,15 @@ async def served():
 
 
 def test_every_expected_family_is_exported_with_its_type() -> None:
-    families = _families(Metrics().render().decode())
+    families = _families(Metrics(MODEL).render().decode())
     for name, kind in EXPECTED_FAMILIES.items():
         assert name in families, name
         assert families[name].type == kind, name
 
 
 def test_each_metrics_object_has_its_own_registry() -> None:
-    a, b = Metrics(), Metrics()  # a global registry would raise "Duplicated timeseries" here
+    # a global registry would raise "Duplicated timeseries" here
+    a, b = Metrics(MODEL), Metrics(MODEL)
     a.generation_tokens.inc(5)
     fa, fb = _families(a.render().decode()), _families(b.render().decode())
     assert _sample(fa, "baton:generation_tokens", "baton:generation_tokens_total") == 5
@@ -112,7 +123,7 @@ def test_each_metrics_object_has_its_own_registry() -> None:
 
 
 def test_kv_gauges_agree() -> None:
-    m = Metrics()
+    m = Metrics(MODEL)
     m.set_kv_blocks(num_used_blocks=30, num_free_blocks=10)
     f = _families(m.render().decode())
     assert _sample(f, "baton:kv_cache_usage_perc", "baton:kv_cache_usage_perc") == 0.75
@@ -123,20 +134,20 @@ def test_kv_gauges_agree() -> None:
 
 
 def test_cpu_device_exports_no_gpu_metrics() -> None:
-    m = Metrics()
+    m = Metrics(MODEL)
     m.watch_device("cpu")
     assert not [n for n in _families(m.render().decode()) if n.startswith("baton:gpu_")]
 
 
 async def test_port_zero_starts_nothing() -> None:
-    assert await start_metrics_server(0, Metrics(), lambda: True) is None
+    assert await start_metrics_server(0, Metrics(MODEL), lambda: True) is None
 
 
 async def test_metrics_endpoint_serves_current_values(served) -> None:
     port, metrics, _ = served
     metrics.time_to_first_token.observe(0.2)
     metrics.time_to_first_token.observe(3.0)
-    metrics.request_success.labels(finish_reason="length").inc(2)
+    metrics.request_success.labels(finished_reason="length").inc(2)
     metrics.request_errors.labels(code="timeout").inc()
     metrics.set_queue_depths({"baton.prefill": 7, "baton.decode": 0})
     metrics.handoff_bytes.labels(transport="shm").inc(4096)
@@ -151,7 +162,7 @@ async def test_metrics_endpoint_serves_current_values(served) -> None:
     assert _sample(f, ttft, ttft + "_bucket", le="0.25") == 1
     assert _sample(f, ttft, ttft + "_bucket", le="+Inf") == 2
     ok = "baton:request_success"
-    assert _sample(f, ok, ok + "_total", finish_reason="length") == 2
+    assert _sample(f, ok, ok + "_total", finished_reason="length") == 2
     err = "baton:request_errors"
     assert _sample(f, err, err + "_total", code="timeout") == 1
     assert _sample(f, "baton:queue_depth", "baton:queue_depth", queue="baton.prefill") == 7
@@ -179,7 +190,7 @@ async def test_readiness_check_that_raises_is_not_ready() -> None:
         raise RuntimeError("engine gone")
 
     port = _free_port()
-    server = await start_metrics_server(port, Metrics(), broken, host="127.0.0.1")
+    server = await start_metrics_server(port, Metrics(MODEL), broken, host="127.0.0.1")
     assert server is not None
     try:
         assert (await _http(port, _get("/ready")))[0] == 503
@@ -258,7 +269,7 @@ def test_cuda_device_exports_gpu_memory() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    m = Metrics()
+    m = Metrics(MODEL)
     m.watch_device("cuda:0")
     held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
     f = _families(m.render().decode())
@@ -395,13 +406,13 @@ def test_engine_service_registers_the_gpu_collector_on_cuda() -> None:
     from types import SimpleNamespace
 
     from services.prefill.service import PrefillService
-    from shared.observability.metrics import _CudaCollector
+    from shared.observability.collectors import CudaCollector
 
     def collectors(device: str) -> list[object]:
         engine: object = SimpleNamespace(info=_info(kind="prefill"))
         service = PrefillService(BatonConfig(device=device), engine)  # type: ignore[arg-type]
         registry = service.shell.metrics.metrics.registry
-        return [c for c in registry._collector_to_names if isinstance(c, _CudaCollector)]
+        return [c for c in registry._collector_to_names if isinstance(c, CudaCollector)]
 
     assert len(collectors("cuda:0")) == 1
     assert collectors("cpu") == []

@@ -300,8 +300,8 @@ STAGES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("wire encode/decode", SERVICES, "py-spy", "wire"),
     ("event loop (uvloop, I/O)", SERVICES, "py-spy", "event loop"),
     ("unattributed", SERVICES, "py-spy", "other"),
-    ("TTFT (server view)", ("detokenizer",), "latency", "time_to_first_token_seconds"),
-    ("E2E (server view)", ("detokenizer",), "latency", "e2e_request_latency_seconds"),
+    ("TTFT (server view)", ("detokenizer",), "latency", "pipeline_time_to_first_token_seconds"),
+    ("E2E (server view)", ("detokenizer",), "latency", "pipeline_e2e_request_latency_seconds"),
 )
 
 

@@ -46,7 +46,7 @@ def fixed_overhead_main(
         ("decode_forward", "decode", "baton:forward_seconds"),
         ("handoff_write", "prefill", "baton:handoff_seconds"),
         ("handoff_read", "decode", "baton:handoff_seconds"),
-        ("server_e2e", "detokenizer", "baton:e2e_request_latency_seconds"),
+        ("server_e2e", "detokenizer", "baton:pipeline_e2e_request_latency_seconds"),
     ):
         if service in before and service in after:
             total, count = stage_profile.hist_delta(before[service], after[service], name)

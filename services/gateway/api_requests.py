@@ -27,7 +27,7 @@ from services.gateway.request_fields import CHAT_OFF, COMPLETION_OFF, SAMPLING_F
 from services.gateway.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from shared.config import BatonConfig
 from shared.limits import Limits
-from shared.models.catalog import DEFAULT_MODEL
+from shared.models.catalog import served_model_id
 from shared.wire.errors import ProtocolError
 from shared.wire.priority import check_priority
 from shared.wire.sampling import DEFAULT_MAX_TOKENS
@@ -49,14 +49,6 @@ class BatonRequest:
     def timeout_s(self) -> float | None:
         value = self.baton.get("timeout_s")
         return float(value) if value is not None else None
-
-
-def served_model_id(config: BatonConfig) -> str:
-    """The one model id this gateway serves: ``BATON_SERVED_MODEL_NAME`` if set, else
-    BATON_MODEL's name (a path's last part), else the default model's name."""
-    if config.served_model_name:
-        return config.served_model_name
-    return config.model.rstrip("/").rsplit("/", 1)[-1] if config.model else DEFAULT_MODEL
 
 
 def parse_completion(

@@ -105,8 +105,12 @@ class Exchange:
         req = self.request
         timeout = req.timeout_s
         wait_s = None if timeout is None else max(timeout, 0.0) + WAIT_MARGIN_S
-        replies = self.client.stream_timed(
-            **req.baton, request_id=self.request_id, stream=req.stream, wait_s=wait_s
+        replies = self.metrics.timed(
+            self.client.stream_timed(
+                **req.baton, request_id=self.request_id, stream=req.stream, wait_s=wait_s
+            ),
+            scope.get(SCOPE_T0),
+            req.baton.get("max_tokens"),
         )
         async with aclosing(replies):
             try:

@@ -1,25 +1,23 @@
 """The gateway's Prometheus metrics, on the same registry as the full :class:`Metrics` set.
 
-Like every Baton service, the gateway exports the whole set (the per-request latencies and
-outcomes stay at zero here: the detokenizer owns them, and counting them twice would double
-every dashboard's sums) plus what only an HTTP front has:
-
-- ``baton:http_requests_total{route, status}``: responses by route template and status code.
-  A client that went away before its response ended counts as status ``499`` (nginx's "client
-  closed request"), whatever status line it may already have been sent.
-- ``baton:http_request_duration_seconds{route}``: arrival to the last byte handed to the server.
-- ``baton:gateway_overhead_seconds``: what the gateway adds to a request's time to first
-  byte: from arrival to the publish on ``baton.requests``, plus from Baton's first reply
-  arriving to its bytes being handed to the server. Waiting for Baton is not in it.
-- ``baton:http_client_disconnects_total{route}``: requests cancelled because the client left.
-- ``baton:http_requests_in_flight``: requests between arrival and their last byte.
+Like every Baton service, the gateway exports the whole set. It owns the per-request latencies
+of vLLM's front end, observed on the replies of each request it serves (:meth:`timed`), and adds
+what only an HTTP front has (``baton:http_*``, ``baton:gateway_overhead_seconds``; without
+``model_name``: they are the HTTP server's). What each series measures: docs/gateway.md,
+"Metrics"; which service owns which: docs/deploy.md, "Metrics".
 
 Route labels are a closed set (the served paths, else ``other``), never the raw path.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from shared.client import TimedReply
+from shared.observability.collectors import observe_many
 from shared.observability.metrics import REQUEST_LATENCY_BUCKETS, Metrics
+from shared.wire.messages import DoneReply, TokenReply
 
 ROUTES = frozenset(
     ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
@@ -37,31 +35,116 @@ def route_label(path: str) -> str:
 
 
 class GatewayMetrics(Metrics):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
         self.service_info.info({"service": "gateway"})
         self.http_requests = self.counter(
             "http_requests_total",
             "HTTP responses by route and status code (499: the client went away first).",
             ("route", "status"),
+            per_model=False,
         )
         self.http_request_duration = self.histogram(
             "http_request_duration_seconds",
             "Arrival to the last byte of the response, by route.",
             REQUEST_LATENCY_BUCKETS,
             ("route",),
+            per_model=False,
         )
         self.gateway_overhead = self.histogram(
             "gateway_overhead_seconds",
             "Time the gateway adds to time to first byte (parsing and publishing, and turning "
             "Baton's first reply into bytes), waiting for Baton excluded.",
             OVERHEAD_BUCKETS,
+            per_model=False,
         )
         self.client_disconnects = self.counter(
             "http_client_disconnects_total",
             "Requests cancelled because the HTTP client disconnected before the end.",
             ("route",),
+            per_model=False,
         )
         self.requests_in_flight = self.gauge(
-            "http_requests_in_flight", "HTTP requests received and not yet fully answered."
+            "http_requests_in_flight",
+            "HTTP requests received and not yet fully answered.",
+            per_model=False,
         )
+
+    async def timed(
+        self,
+        replies: AsyncGenerator[TimedReply, None],
+        t0: float | None,
+        max_tokens: int | None,
+        n: int = 1,
+    ) -> AsyncGenerator[TimedReply, None]:
+        """``replies`` (one request's, from ``BatonClient.stream_timed``) passed through as they
+        come, each observed. ``t0``: ``perf_counter()`` at the HTTP arrival (None: from the
+        publish). Closing this closes ``replies``, as closing them directly would."""
+        latencies = RequestLatencies(self, t0, max_tokens, n)
+        async with aclosing(replies):
+            async for t in replies:
+                latencies.add(t)
+                yield t
+
+
+class RequestLatencies:
+    """One request's latency observations, from its replies in the order they arrive."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, t0: float | None, max_tokens: int | None, n: int
+    ) -> None:
+        self.metrics = metrics
+        self.t0 = t0
+        self.max_tokens = max_tokens
+        self.n = n
+        self.num_tokens = 0  # received so far
+        self.first_at: float | None = None
+        self.last_at = 0.0
+
+    def add(self, t: TimedReply) -> None:
+        reply = t.reply
+        if self.t0 is None:
+            self.t0 = t.received_at - t.elapsed_s  # the publish
+        if isinstance(reply, TokenReply):
+            # index + length, not the length alone: a re-sent reply adds nothing
+            self._tokens(reply.index + len(reply.token_ids) - self.num_tokens, t.received_at)
+        elif isinstance(reply, DoneReply):
+            self._done(reply, t)
+
+    def _tokens(self, new: int, at: float) -> None:
+        if new <= 0:
+            return
+        m = self.metrics
+        if self.first_at is None:
+            assert self.t0 is not None
+            self.first_at = at
+            m.time_to_first_token.observe(at - self.t0)
+            gap, gaps = 0.0, new - 1
+        else:
+            gap, gaps = (at - self.last_at) / new, new
+        self._gaps(gap, gaps)
+        self.last_at = at
+        self.num_tokens += new
+
+    def _gaps(self, gap: float, count: int) -> None:
+        observe_many(self.metrics.inter_token_latency, gap, count)
+        observe_many(self.metrics.time_per_output_token, gap, count)
+
+    def _done(self, done: DoneReply, t: TimedReply) -> None:
+        m, n = self.metrics, len(done.token_ids)
+        assert self.t0 is not None
+        if self.first_at is None and n:  # no token reply: Baton's own timing of the tokens
+            published_at = t.received_at - t.elapsed_s
+            ttft_s, tpot_s = done.timing.get("ttft_s") or 0.0, done.timing.get("tpot_s") or 0.0
+            m.time_to_first_token.observe(published_at - self.t0 + ttft_s)
+            self._gaps(tpot_s, n - 1)
+            self.num_tokens = n
+        else:  # tokens not streamed before the done (none, normally) arrived with it
+            self._tokens(n - self.num_tokens, t.received_at)
+            tpot_s = (self.last_at - self.first_at) / (n - 1) if self.first_at and n > 1 else 0.0
+        if n > 1:
+            m.request_time_per_output_token.observe(tpot_s)
+        m.e2e_request_latency.observe(t.received_at - self.t0)
+        if self.max_tokens is not None:
+            m.request_params_max_tokens.observe(self.max_tokens)
+        m.request_params_n.observe(self.n)

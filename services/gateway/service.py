@@ -100,7 +100,7 @@ class GatewayService:
             defaults = defaults or SamplingDefaults.load(config.generation_config, model_dir)
         self.limits = limits
         self.defaults = defaults
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(served_model_id(config))
         self.client = client  # given: owned by the caller (tests); None: connected in start()
         self._owns_client = client is None
         self._server: _Server | None = None

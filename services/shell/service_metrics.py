@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.config import BatonConfig
 from shared.engine.outputs import KVConnectorStats
+from shared.models.catalog import served_model_id
 from shared.observability.http_server import start_metrics_server
 from shared.observability.metrics import Metrics
 
@@ -36,7 +37,7 @@ class ServiceMetrics:
     def __init__(self, config: BatonConfig, service: str) -> None:
         self.config = config
         self.service = service
-        self.metrics = Metrics()
+        self.metrics = Metrics(served_model_id(config))
         self.metrics.service_info.info({"service": service, "device": config.device})
         self._server: asyncio.AbstractServer | None = None
         self._last_prefix = (0, 0)
@@ -153,6 +154,7 @@ class ServiceMetrics:
         """One forward of a prefill or decode engine."""
         m = self.metrics
         m.batch_size.observe(stats.num_seqs)
+        m.iteration_tokens.observe(stats.num_scheduled_tokens)
         if self.service == "decode":  # a decode step's budget is its sequence cap
             m.batch_token_utilization.observe(stats.num_seqs / self.config.max_num_seqs)
         else:
@@ -228,17 +230,25 @@ class ServiceMetrics:
 
     # --- detokenizer ----------------------------------------------------------------------------
     def on_request_finished(self, info: StartInfo, reply: DoneReply | ErrorReply) -> None:
+        """The pipeline's view of a request (every client's, from arrival on baton.requests):
+        its outcome, and its latencies from the ``done`` reply's timing."""
         m = self.metrics
         if reply.type == "error":
             m.request_errors.labels(code=reply.code).inc()  # type: ignore[union-attr]
             return
         done: Any = reply
         timing, n = done.timing, len(done.token_ids)
-        m.request_success.labels(finish_reason=done.finish_reason).inc()
-        m.e2e_request_latency.observe(timing["e2e_s"])
+        m.request_success.labels(finished_reason=done.finish_reason).inc()
+        m.pipeline_e2e_request_latency.observe(timing["e2e_s"])
         m.request_generation_tokens.observe(n)
-        if n:
-            m.time_to_first_token.observe(timing["ttft_s"])
-            m.request_queue_time.observe(timing["queue_s"])
+        if not n:
+            return
+        queue_s, ttft_s, tpot_s = timing["queue_s"], timing["ttft_s"], timing["tpot_s"]
+        prefill_s, decode_s = max(0.0, ttft_s - queue_s), tpot_s * (n - 1)
+        m.pipeline_time_to_first_token.observe(ttft_s)
+        m.request_queue_time.observe(queue_s)
+        m.request_prefill_time.observe(prefill_s)
+        m.request_decode_time.observe(decode_s)
+        m.request_inference_time.observe(prefill_s + decode_s)
         if n > 1:
-            m.time_per_output_token.observe(timing["tpot_s"])
+            m.pipeline_request_time_per_output_token.observe(tpot_s)

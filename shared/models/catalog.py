@@ -23,7 +23,7 @@ from pathlib import Path
 
 import structlog
 
-from shared.config import TINY_RANDOM_DIR, default_cache_dir
+from shared.config import TINY_RANDOM_DIR, BatonConfig, default_cache_dir
 from shared.models.gguf_model import gguf_model_dir
 
 log = structlog.get_logger(__name__)
@@ -53,6 +53,15 @@ SMOLLM2 = WheelModel(
 )
 DEFAULT_MODEL = SMOLLM2.name
 WHEEL_MODELS = {SMOLLM2.name: SMOLLM2}
+
+
+def served_model_id(config: BatonConfig) -> str:
+    """The one model id Baton serves, as vLLM's ``--served-model-name``: the HTTP gateway's
+    ``model`` and every metric's ``model_name`` label. ``BATON_SERVED_MODEL_NAME`` if set, else
+    BATON_MODEL's name (a path's last part), else the default model's name."""
+    if config.served_model_name:
+        return config.served_model_name
+    return config.model.rstrip("/").rsplit("/", 1)[-1] if config.model else DEFAULT_MODEL
 
 
 class ModelUnavailable(RuntimeError):

@@ -172,7 +172,8 @@ def probe(
 
 def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> dict[str, float]:
     """Scrape ``/metrics`` into ``{"name{label=value,...}": value}`` (labels sorted; no braces
-    without labels). Raises ``OSError`` when nothing answers."""
+    without labels). ``model_name`` is left out of the keys: a process serves one model.
+    Raises ``OSError`` when nothing answers."""
     return read_metrics_url(f"http://{host}:{port}/metrics", timeout)
 
 
@@ -180,13 +181,15 @@ def read_metrics_url(url: str, timeout: float = 5.0) -> dict[str, float]:
     """:func:`read_metrics` of any URL serving the Prometheus text format."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from shared.observability.collectors import MODEL_LABEL
+
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url, timeout=timeout) as response:
         text = response.read().decode()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != MODEL_LABEL)
             values[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
     return values
 

@@ -1,14 +1,18 @@
 """Prometheus metrics: one :class:`Metrics` per process, on its own registry.
 
-Names follow vLLM's (``vllm:time_to_first_token_seconds`` -> ``baton:time_to_first_token_seconds``)
-where vLLM has one, so existing dashboards carry over by swapping the prefix. Every service
-defines the full set and updates the ones it owns; the rest stay at zero. Each service is its own
-scrape target, told apart by Prometheus' ``job``/``instance`` labels, so no metric carries a
-service label. Typical owners: the detokenizer observes the per-request latencies from the
-``done`` timing and the outcomes; the tokenizer prompt tokens; prefill its batches, prefix cache,
-first tokens and handoff writes; decode the running batch, KV blocks, preemptions, handoff reads
-and generated tokens; every consumer its redelivered messages; prefill and decode the spill
-store's size and, on a CUDA device, ``baton:gpu_memory_*`` (:meth:`Metrics.watch_device`).
+Names are vLLM's where vLLM has one, with the ``baton:`` prefix
+(``vllm:time_to_first_token_seconds`` -> ``baton:time_to_first_token_seconds``) and vLLM's labels
+(``model_name``, ``finished_reason``), so a dashboard written for vLLM works by replacing the
+prefix. The table of vLLM's names, Baton's, and which service owns each is in docs/deploy.md
+("Metrics"). Every service defines the full set and updates the ones it owns; the rest stay at
+zero, so each series has one owner and a sum across scrape targets counts nothing twice. Each
+service is its own scrape target, told apart by Prometheus' ``job``/``instance`` labels, so no
+metric carries a service label.
+
+Every series carries ``model_name`` (the served model id,
+``shared.models.catalog.served_model_id``: one per process, added when the registry is read)
+but those of the process itself: ``baton:service``, the device's ``baton:gpu_*`` and the
+gateway's HTTP server series.
 
 Label values are closed sets (queue names, error codes, finish reasons, transports, preemption
 modes): never a request id or anything else unbounded.
@@ -18,18 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Info,
-    generate_latest,
-)
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import Counter, Gauge, Histogram, Info, generate_latest
 
-PREFIX = "baton:"
+from shared.observability.collectors import PREFIX, CudaCollector, ModelRegistry
 
 # Buckets span both a GPU (sub-millisecond handoffs, ~2-10 ms per output token) and the CPU
 # tiny model or a loaded system (tens of ms per token, seconds to minutes end to end).
@@ -51,45 +46,100 @@ UTILIZATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 
 TOKEN_COUNT_BUCKETS = (
     1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
 )  # fmt: skip
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for request_params_n
+# vLLM's, for iteration_tokens_total: a decode step's tokens (one per sequence) up to a prefill's.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Metrics:
     """Every Baton metric, registered on ``self.registry`` (never on the global registry).
 
     Attributes are plain prometheus-client objects: ``metrics.generation_tokens.inc(n)``,
-    ``metrics.request_errors.labels(code="timeout").inc()``. Every metric is declared through
+    ``metrics.request_errors.labels(code="timeout").inc()``; ``model_name`` is never passed, the
+    registry adds it to every series when read. Every metric is declared through
     :meth:`counter`, :meth:`gauge` or :meth:`histogram` (the ``baton:`` prefix, this registry),
     here or in a subclass that adds a front's own (the gateway's ``GatewayMetrics``).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, model_name: str) -> None:
+        self.registry = ModelRegistry(model_name)
         histogram, gauge, counter = self.histogram, self.gauge, self.counter
         self.service_info = Info(
             PREFIX + "service",
             "Service identity and settings (constant 1).",
             registry=self.registry,
         )
+        self.registry.per_process.add(PREFIX + "service")
 
-        # --- per-request latency (vLLM names) --------------------------------------------------
+        # --- per HTTP request, observed by the gateway as it serves it (vLLM names) -------------
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
-            "Time from arrival on baton.requests to the first generated token.",
+            "HTTP arrival to the first token in the gateway's hands.",
             REQUEST_LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time between two consecutive output tokens, one observation per token after the "
+            "first (tokens arriving together share their gap evenly).",
+            STEP_LATENCY_BUCKETS,
         )
         self.time_per_output_token = histogram(
             "time_per_output_token_seconds",
+            "The same observations as inter_token_latency_seconds (vLLM's older name for it).",
+            STEP_LATENCY_BUCKETS,
+        )
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
             STEP_LATENCY_BUCKETS,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds",
-            "Time from arrival to the terminal reply.",
+            "HTTP arrival to the terminal reply in the gateway's hands.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens a request asked for.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "The n (choices) a request asked for.", N_BUCKETS
+        )
+
+        # --- per request on baton.requests, whatever its client (detokenizer; prompt tokens:
+        # tokenizer). From arrival on baton.requests, so without the gateway's share. -----------
+        self.pipeline_time_to_first_token = histogram(
+            "pipeline_time_to_first_token_seconds",
+            "Arrival on baton.requests to the first generated token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.pipeline_request_time_per_output_token = histogram(
+            "pipeline_request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            STEP_LATENCY_BUCKETS,
+        )
+        self.pipeline_e2e_request_latency = histogram(
+            "pipeline_e2e_request_latency_seconds",
+            "Arrival on baton.requests to the terminal reply.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.request_queue_time = histogram(
             "request_queue_time_seconds",
             "Time a request waited before its prefill started.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Prefill start to the first token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds",
+            "First token to the last.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds",
+            "Prefill start to the last token.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.request_prompt_tokens = histogram(
@@ -101,7 +151,7 @@ class Metrics:
 
         # --- outcomes and throughput -----------------------------------------------------------
         self.request_success = counter(
-            "request_success_total", "Requests finished, by finish reason.", ["finish_reason"]
+            "request_success_total", "Requests finished, by finish reason.", ["finished_reason"]
         )
         self.request_errors = counter(
             "request_errors_total", "Requests answered with an error, by error code.", ["code"]
@@ -246,6 +296,11 @@ class Metrics:
             "Sequences per forward (prefill batch or decode step).",
             BATCH_SIZE_BUCKETS,
         )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step: a prefill batch's prompt tokens, a decode step's sequences.",
+            ITERATION_TOKEN_BUCKETS,
+        )
         self.batch_token_utilization = histogram(
             "batch_token_utilization",
             "Tokens in a forward / the token budget (max_num_batched_tokens or max_num_seqs).",
@@ -338,19 +393,35 @@ class Metrics:
         )
 
     # --- the one way to declare a metric ---------------------------------------------------------
+    # per_model=False: a series of the process (its HTTP server), without model_name.
     def histogram(
-        self, name: str, doc: str, buckets: Sequence[float], labels: Iterable[str] = ()
+        self,
+        name: str,
+        doc: str,
+        buckets: Sequence[float],
+        labels: Iterable[str] = (),
+        per_model: bool = True,
     ) -> Histogram:
+        self._declare(name, per_model)
         return Histogram(PREFIX + name, doc, tuple(labels), registry=self.registry, buckets=buckets)
 
-    def gauge(self, name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
+    def gauge(
+        self, name: str, doc: str, labels: Iterable[str] = (), per_model: bool = True
+    ) -> Gauge:
+        self._declare(name, per_model)
         return Gauge(PREFIX + name, doc, tuple(labels), registry=self.registry)
 
-    def counter(self, name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+    def counter(
+        self, name: str, doc: str, labels: Iterable[str] = (), per_model: bool = True
+    ) -> Counter:
         # prometheus-client appends _total itself; pass the name with or without it.
-        return Counter(
-            PREFIX + name.removesuffix("_total"), doc, tuple(labels), registry=self.registry
-        )
+        name = name.removesuffix("_total")
+        self._declare(name, per_model)
+        return Counter(PREFIX + name, doc, tuple(labels), registry=self.registry)
+
+    def _declare(self, name: str, per_model: bool) -> None:
+        if not per_model:
+            self.registry.per_process.add(PREFIX + name)
 
     def set_kv_blocks(self, num_used_blocks: int, num_free_blocks: int) -> None:
         """Set the three KV gauges from one reading, so they never disagree."""
@@ -370,45 +441,8 @@ class Metrics:
         A CPU device exports nothing: host memory belongs to node-level exporters.
         """
         if device.startswith("cuda"):
-            self.registry.register(_CudaCollector(device))
+            self.registry.register(CudaCollector(device))
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (version 0.0.4)."""
         return generate_latest(self.registry)
-
-
-class _CudaCollector(Collector):
-    def __init__(self, device: str) -> None:
-        import torch  # only services that run on a GPU pay for the import here
-
-        self._torch = torch
-        self._device = torch.device(device)
-
-    def describe(self) -> list:
-        # Reserve no names: register() must not touch the device, and the gpu_ names cannot
-        # collide with the Metrics attributes.
-        return []
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        cuda = self._torch.cuda
-        index = str(self._device.index if self._device.index is not None else cuda.current_device())
-        free, total = cuda.mem_get_info(self._device)
-        readings = [
-            ("gpu_memory_allocated_bytes", "Bytes held by live tensors.",
-             cuda.memory_allocated(self._device)),
-            ("gpu_memory_reserved_bytes", "Bytes held by the caching allocator.",
-             cuda.memory_reserved(self._device)),
-            ("gpu_memory_used_perc", "Device memory in use by any process (0..1).",
-             (total - free) / total),
-        ]  # fmt: skip
-        try:
-            readings.append(
-                ("gpu_utilization_perc", "Kernel-busy fraction of the last NVML sample (0..1).",
-                 cuda.utilization(self._device) / 100.0)
-            )  # fmt: skip
-        except Exception:  # NVML (pynvml) missing or unsupported: leave it to DCGM's exporter
-            pass
-        for name, doc, value in readings:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["gpu"])
-            family.add_metric([index], float(value))
-            yield family

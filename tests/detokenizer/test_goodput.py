@@ -26,14 +26,14 @@ def test_both_objectives_must_be_met() -> None:
 
 
 def test_counted_per_priority_beside_every_judged_request() -> None:
-    metrics = Metrics()
+    metrics = Metrics("m")
     goodput = Goodput(BatonConfig(slo_ttft_s=2.0, slo_tpot_s=0.1), metrics)
     urgent, normal = StartInfo("a", "q", 1, priority=9), StartInfo("b", "q", 1)
     goodput.observe(urgent, done(0.5, 0.01))
     goodput.observe(urgent, done(3.0, 0.01))
     goodput.observe(normal, ErrorReply("b", "internal", "boom"))
     text = metrics.render().decode()
-    assert 'baton:request_goodput_total{priority="9"} 1.0' in text
-    assert 'baton:request_slo_judged_total{priority="9"} 2.0' in text
-    assert 'baton:request_slo_judged_total{priority="0"} 1.0' in text
-    assert 'baton:request_goodput_total{priority="0"}' not in text
+    assert 'baton:request_goodput_total{model_name="m",priority="9"} 1.0' in text
+    assert 'baton:request_slo_judged_total{model_name="m",priority="9"} 2.0' in text
+    assert 'baton:request_slo_judged_total{model_name="m",priority="0"} 1.0' in text
+    assert 'baton:request_goodput_total{model_name="m",priority="0"}' not in text

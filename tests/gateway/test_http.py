@@ -227,7 +227,7 @@ async def test_a_write_refused_by_the_server_counts_as_a_disconnect(baton: FakeB
     """ASGI servers of spec 2.4 and later raise OSError on a write to a closed connection."""
     baton.script = lambda rid, kw: [tokens_then_done("a")(rid, kw)[0], HANG]
     req = parse_completion({"prompt": "x", "stream": True}, BatonConfig())
-    exchange = Exchange(baton, req, "cmpl-oserror", GatewayMetrics())  # type: ignore[arg-type]
+    exchange = Exchange(baton, req, "cmpl-oserror", GatewayMetrics("m"))  # type: ignore[arg-type]
     scope: dict[str, Any] = {"type": "http", "path": "/v1/completions"}
 
     async def send(message: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from services.shell.registry import port_offset
@@ -78,6 +79,50 @@ async def test_models_health_metrics(live: Live) -> None:
     assert 'baton:http_requests_total{route="/v1/models",status="200"}' in text
 
 
+async def test_the_gateway_metrics_show_the_latencies_it_served(live: Live) -> None:
+    """10 requests (5 streamed, 5 not), each one observation of time to first token and e2e
+    and 7 gaps between tokens, labelled with the served model, in the gateway's own /metrics."""
+    series = {
+        "ttft": "baton:time_to_first_token_seconds",
+        "itl": "baton:inter_token_latency_seconds",
+        "tpot": "baton:time_per_output_token_seconds",
+        "request_tpot": "baton:request_time_per_output_token_seconds",
+        "e2e": "baton:e2e_request_latency_seconds",
+        "max_tokens": "baton:request_params_max_tokens",
+        "n": "baton:request_params_n",
+    }
+
+    async def scrape() -> dict[str, tuple[float, float]]:
+        async with httpx.AsyncClient(base_url=live.url) as http:
+            text = (await http.get("/metrics")).text
+        got = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.labels.get("model_name") == MODEL and s.name.endswith(("_sum", "_count")):
+                    got[s.name] = s.value
+        return {k: (got[f"{v}_count"], got[f"{v}_sum"]) for k, v in series.items()}
+
+    before = await scrape()
+    client = _openai(live.url)
+
+    async def one(stream: bool) -> None:
+        out = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, stream=stream,
+                                              **GREEDY)  # fmt: skip
+        if stream:
+            assert [c async for c in out]
+
+    await asyncio.gather(*(one(stream=i % 2 == 0) for i in range(10)))
+    after = await scrape()
+    moved = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in series}
+    for key in ("ttft", "request_tpot", "e2e"):
+        assert moved[key][0] == 10 and moved[key][1] > 0, (key, moved[key])
+    for key in ("itl", "tpot"):
+        assert moved[key][0] == 10 * 7 and moved[key][1] > 0, (key, moved[key])
+    assert moved["max_tokens"] == (10, 80) and moved["n"] == (10, 10)
+    # a request's gaps add up to its first-to-last time, whose mean is its time per token
+    assert moved["itl"][1] == pytest.approx(7 * moved["request_tpot"][1], rel=1e-6)
+
+
 async def test_errors_from_baton(live: Live) -> None:
     client = _openai(live.url)
     with pytest.raises(openai.BadRequestError) as bad:  # the tokenizer's range check
@@ -115,7 +160,7 @@ async def test_api_key(live: Live) -> None:
 
 async def test_client_disconnect_cancels_in_baton(live: Live) -> None:
     detok_port = live.metrics_port + port_offset("detokenizer")
-    key = "baton:request_success_total{finish_reason=cancelled}"
+    key = "baton:request_success_total{finished_reason=cancelled}"
     before = read_metrics(detok_port).get(key, 0.0)
     body = {"model": MODEL, "prompt": "a long one", "max_tokens": 2000, "stream": True,
             "temperature": 0, "ignore_eos": True}  # fmt: skip

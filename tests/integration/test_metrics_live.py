@@ -50,13 +50,17 @@ async def test_metrics_move_with_load(
     def moved(service: str, key: str) -> float:
         return after[service].get(key, 0.0) - before[service].get(key, 0.0)
 
-    # detokenizer: one TTFT/E2E observation per request served, success by finish reason
-    assert moved("detokenizer", "baton:time_to_first_token_seconds_count") == n
-    assert moved("detokenizer", "baton:e2e_request_latency_seconds_count") == n
-    assert moved("detokenizer", "baton:time_per_output_token_seconds_count") == n
-    assert moved("detokenizer", "baton:request_success_total{finish_reason=length}") == n
-    # tokenizer: prompt tokens counted exactly
     prompt_tokens = sum(r.usage["prompt_tokens"] for r in replies)  # type: ignore[union-attr]
+    # detokenizer: one TTFT/E2E observation per request served, success by finish reason
+    assert moved("detokenizer", "baton:pipeline_time_to_first_token_seconds_count") == n
+    assert moved("detokenizer", "baton:pipeline_e2e_request_latency_seconds_count") == n
+    assert moved("detokenizer", "baton:pipeline_request_time_per_output_token_seconds_count") == n
+    assert moved("detokenizer", "baton:request_decode_time_seconds_count") == n
+    assert moved("detokenizer", "baton:request_success_total{finished_reason=length}") == n
+    # the engines: tokens per step (prefill: prompt tokens computed; decode: one per sequence)
+    assert moved("prefill", "baton:iteration_tokens_total_sum") > 0
+    assert moved("decode", "baton:iteration_tokens_total_sum") == n * (max_tokens - 1)
+    # tokenizer: prompt tokens counted exactly
     assert moved("tokenizer", "baton:prompt_tokens_total") == prompt_tokens
     # prefill: batches ran, KV went through the transport
     assert moved("prefill", "baton:batch_size_count") >= 1
