@@ -18,13 +18,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.config import BatonConfig
+from shared.wire.errors import ErrorCode, ProtocolError
 from shared.wire.sampling import SamplingParams
+
+# What one position's logprobs cost in a reply at most, as msgpack packs them (replies.py): the
+# chosen token's entry, and each alternative with its text. Generous: a token's text is a few
+# bytes on average.
+LOGPROB_POSITION_BYTES = 32
+LOGPROB_ALTERNATIVE_BYTES = 28
 
 
 @dataclass(frozen=True)
 class Limits:
     max_model_len: int  # longest sequence (prompt + output) this process serves
     max_prompt_tokens: int  # longest prompt: always leaves room for one output token
+    # Bytes a reply's logprobs (prompt's and output's) may take: three quarters of the bound
+    # every reader puts on a message (max_message_bytes), the rest for the text and token ids.
+    max_logprob_bytes: int = (BatonConfig.max_message_bytes * 3) // 4
 
     @classmethod
     def build(
@@ -42,6 +52,7 @@ class Limits:
         return cls(
             max_model_len=max_model_len,
             max_prompt_tokens=min(config.max_prompt_tokens, max_model_len - 1),
+            max_logprob_bytes=(config.max_message_bytes * 3) // 4,
         )
 
     @classmethod
@@ -55,11 +66,37 @@ class Limits:
         return num_tokens < self.max_model_len
 
     def clamp(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """``max_tokens`` cut to what fits after the prompt (at least 1)."""
+        """``max_tokens`` cut to what fits after the prompt (at least 1), and, with
+        ``logprobs``, to what the reply's logprobs budget holds after the prompt's."""
         room = max(1, self.max_model_len - num_prompt_tokens)
+        if sampling.logprobs is not None:
+            left = self.max_logprob_bytes - self.prompt_logprob_bytes(sampling, num_prompt_tokens)
+            room = min(room, max(1, left // _position_bytes(sampling.logprobs)))
         if sampling.max_tokens <= room:
             return sampling
         return replace(sampling, max_tokens=room)
+
+    def prompt_logprob_bytes(self, sampling: SamplingParams, num_prompt_tokens: int) -> int:
+        """What the prompt's logprobs take of a reply (0 without ``prompt_logprobs``)."""
+        if sampling.prompt_logprobs is None:
+            return 0
+        return (num_prompt_tokens - 1) * _position_bytes(sampling.prompt_logprobs)
+
+    def check_prompt_logprobs(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
+        """Refuse ``prompt_logprobs`` whose reply would exceed the logprobs budget (an output
+        is clamped to it; a prompt cannot be)."""
+        need = self.prompt_logprob_bytes(sampling, num_prompt_tokens)
+        if need > self.max_logprob_bytes:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt_logprobs={sampling.prompt_logprobs} over {num_prompt_tokens} prompt "
+                f"tokens exceeds what a reply carries (~{need} of {self.max_logprob_bytes} "
+                "bytes): ask for fewer alternatives, or raise BATON_MAX_MESSAGE_BYTES",
+            )
+
+
+def _position_bytes(num_alternatives: int) -> int:
+    return LOGPROB_POSITION_BYTES + num_alternatives * LOGPROB_ALTERNATIVE_BYTES
 
 
 @dataclass(frozen=True)

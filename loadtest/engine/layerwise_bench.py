@@ -42,6 +42,7 @@ from loadtest.models import preset_model
 from shared.config import REPO_ROOT, BatonConfig
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.outputs import NewRequest
+from shared.runtime.logprobs import StepLogprobs
 from shared.wire.messages import HandoffMsg, KVRelease, KVReleaseMsg
 from shared.wire.sampling import SamplingParams
 
@@ -89,11 +90,11 @@ def decode_worker(model: str, spill: str, length: int, cpu: int | None, conn: An
     began: dict[str, float] = {}
     runner_decode = engine.runner.decode
 
-    def decode(seqs: list[Any]) -> list[int]:
+    def decode(seqs: list[Any], logprobs: StepLogprobs | None = None) -> list[int]:
         now = time.time()
         for seq in seqs:
             began.setdefault(seq.request_id, now)
-        return runner_decode(seqs)
+        return runner_decode(seqs, logprobs)
 
     engine.runner.decode = decode  # type: ignore[method-assign]
     conn.send(("ready",))

@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
 from services.detokenizer.incremental import Decode, IncrementalDetokenizer
+from services.detokenizer.logprobs import DecodeToken, LogprobText
 from shared.wire.errors import ErrorCode
 from shared.wire.messages import (
     DoneReply,
@@ -58,6 +60,11 @@ class _Request:
     last_flush_at: float | None = None
     resume: StreamMark | None = None  # replayed: positions before it were streamed already
     cancel_at_resume: bool = False  # cancelled while its replay had not caught up yet
+    # Asked for by the request (reply entries, logprobs.py): every output token's (aligned with
+    # detok.token_ids; None: not asked), the batch's (with batch_token_ids), the prompt's.
+    logprobs: list[list[Any]] | None = None
+    batch_logprobs: list[list[Any]] = field(default_factory=list)
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @dataclass
@@ -83,8 +90,12 @@ class DetokenizerCore:
         stream_interval_s: float = 0.0,
         max_stream_replies_per_s: float = 0.0,
         may_cancel: CancelRule = lambda owner, sender: True,
+        decode_token: DecodeToken | None = None,
     ) -> None:
+        """``decode_token``: one token's text for logprobs (special tokens included); default
+        ``decode([token])``."""
         self._decode = decode
+        self._text = LogprobText(decode_token or (lambda t: decode([t])))
         self._may_cancel = may_cancel
         # Streamed tokens of a request are coalesced into one reply per interval (the first
         # token and the terminal reply are never held back): the broker's message rate, not
@@ -128,7 +139,11 @@ class DetokenizerCore:
             return  # duplicate registration (redelivered)
         lazy = not info.stream and not info.stop  # its text is only needed at the end
         detok = IncrementalDetokenizer(
-            self._decode, info.stop, lazy=lazy, include_stop=info.include_stop_str_in_output
+            self._decode,
+            info.stop,
+            lazy=lazy,
+            include_stop=info.include_stop_str_in_output,
+            min_tokens=info.min_tokens,
         )
         req = _Request(info, detok)
         resume = self._resume.pop(rid, None)
@@ -234,6 +249,8 @@ class DetokenizerCore:
             return
         if ev.scheduled_at is not None and req.scheduled_at is None:
             req.scheduled_at = ev.scheduled_at
+        if ev.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = self._text.entries(ev.prompt_logprobs)
         req.pending[ev.index] = ev
         while req.info.request_id in self._active:
             nxt = _pop_covering(req.pending, req.next_index)
@@ -241,6 +258,7 @@ class DetokenizerCore:
                 break
             skip = req.next_index - nxt.index  # positions already applied (duplicates)
             new_ids = nxt.token_ids[skip : skip + req.info.max_tokens - req.next_index]
+            entries = None if nxt.logprobs is None else nxt.logprobs[skip : skip + len(new_ids)]
             # The engine's "stop" is its last token (EOS, a stop_token_ids entry): not in the
             # text unless the client asked for the stop in the output, as vLLM.
             hide = (
@@ -249,7 +267,7 @@ class DetokenizerCore:
                 and skip + len(new_ids) == len(nxt.token_ids)
             )
             if new_ids:
-                self._add_tokens(req, new_ids, now, hide)
+                self._add_tokens(req, new_ids, now, hide, entries)
             if req.detok.stopped:
                 self._finish(req, "stop", now, out)
                 out.aborts.append(req.info.request_id)
@@ -260,16 +278,29 @@ class DetokenizerCore:
             elif req.cancel_at_resume and req.resume is None:
                 self._finish(req, "cancelled", now, out)
 
-    def _add_tokens(self, req: _Request, ids: list[int], now: float, hide_last: bool) -> None:
+    def _add_tokens(
+        self,
+        req: _Request,
+        ids: list[int],
+        now: float,
+        hide_last: bool,
+        entries: list[list[Any]] | None = None,
+    ) -> None:
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now
+        lps: list[list[Any]] | None = None
+        if entries is not None:
+            lps = self._text.entries(entries)
+            if req.logprobs is None:
+                req.logprobs = []
         if req.resume is not None:  # replayed: what was streamed before the crash, silently
             quiet = ids[: max(0, req.resume.next_index - req.next_index)]
             if quiet:
-                req.detok.add(quiet, hide_last and len(quiet) == len(ids))
+                _detok_add(req, quiet, hide_last and len(quiet) == len(ids), lps)
                 req.next_index += len(quiet)
             ids = ids[len(quiet) :]
+            lps = None if lps is None else lps[len(quiet) :]
             if req.next_index >= req.resume.next_index:
                 req.detok.skip_streamed(req.resume.text_offset)
                 req.resume = None
@@ -278,18 +309,30 @@ class DetokenizerCore:
         if req.batch_index is None:
             req.batch_index = req.next_index
         req.batch_token_ids.extend(ids)
+        if lps is not None:
+            req.batch_logprobs.extend(lps)
         req.next_index += len(ids)
-        req.detok.add(ids, hide_last)
+        _detok_add(req, ids, hide_last, lps)
 
     def _flush_one(self, req: _Request, out: Output, final: bool = False) -> None:
         offset = req.detok.num_streamed_chars
         delta = req.detok.take_delta(final=final)
         if req.info.stream and req.batch_index is not None:
             rid = req.info.request_id
-            reply = TokenReply(rid, delta, req.batch_token_ids, req.batch_index, offset)
+            reply = TokenReply(
+                rid,
+                delta,
+                req.batch_token_ids,
+                req.batch_index,
+                offset,
+                logprobs=None if req.logprobs is None else req.batch_logprobs,
+                # The prompt's go with the stream's start (a replay resumes after it).
+                prompt_logprobs=req.prompt_logprobs if req.batch_index == 0 else None,
+            )
             out.reply(req.info, reply)
         req.batch_index = None
         req.batch_token_ids = []
+        req.batch_logprobs = []
 
     def _finish(self, req: _Request, reason: str, now: float, out: Output) -> None:
         info = req.info
@@ -308,7 +351,8 @@ class DetokenizerCore:
             offset = req.detok.num_streamed_chars
             tail = req.detok.take_delta(final=True)
             if tail:
-                reply = TokenReply(info.request_id, tail, [], req.next_index, offset)
+                lps: list[list[Any]] | None = None if req.logprobs is None else []
+                reply = TokenReply(info.request_id, tail, [], req.next_index, offset, logprobs=lps)
                 out.reply(info, reply)
         elif req.batch_index is not None:
             self._flush_one(req, out, final=True)
@@ -326,6 +370,9 @@ class DetokenizerCore:
                 "tpot_s": (last - first) / (n - 1) if n > 1 and first and last else 0.0,
                 "e2e_s": max(0.0, now - info.arrival_time),
             },
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            stop_reason=_stop_reason(req) if reason == "stop" else None,
         )
         if reason in ("cancelled", "timeout"):
             out.aborts.append(info.request_id)
@@ -342,6 +389,25 @@ class DetokenizerCore:
             self._finished.popitem(last=False)
         out.reply(req.info, reply)
         out.finished.append((req.info, reply))
+
+
+def _detok_add(req: _Request, ids: list[int], hide_last: bool, lps: list[list[Any]] | None) -> None:
+    """Tokens into the text; their logprobs with them, for those it took (none once stopped)."""
+    before = len(req.detok.token_ids)
+    req.detok.add(ids, hide_last)
+    if lps is not None and req.logprobs is not None:
+        req.logprobs.extend(lps[: len(req.detok.token_ids) - before])
+
+
+def _stop_reason(req: _Request) -> str | int | None:
+    """vLLM's ``stop_reason`` of a ``stop``: the stop string, or the ``stop_token_ids`` entry
+    the output ended with; None for EOS."""
+    if req.detok.stop_string is not None:
+        return req.detok.stop_string
+    ids = req.detok.token_ids
+    if ids and ids[-1] in req.info.stop_token_ids:
+        return ids[-1]
+    return None
 
 
 def _pop_covering(pending: dict[int, TokenEvent], index: int) -> TokenEvent | None:

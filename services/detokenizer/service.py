@@ -58,12 +58,14 @@ SWEEP_INTERVAL_S = 0.05
 STANDBY_POLL_S = 0.02  # while a standby shard's delay runs: is work waiting there unattended?
 
 
-def make_decoder(model_dir: Path):  # type: ignore[no-untyped-def]
+def make_decoder(model_dir: Path, skip_special_tokens: bool = True):  # type: ignore[no-untyped-def]
+    """``decode(ids) -> text``; with special tokens for logprobs' token texts (vLLM's)."""
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    skip = skip_special_tokens
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: ~10x less overhead per call
-        return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
-    return lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+        return lambda ids: backend.decode(list(ids), skip_special_tokens=skip)
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=skip)
 
 
 class DetokenizerService:
@@ -76,11 +78,13 @@ class DetokenizerService:
         self.shell = ServiceShell(
             config, self.name, prefetch=config.detok_max_unacked, transactional=True
         )
+        with_special = make_decoder(model_dir, skip_special_tokens=False)
         self.core = DetokenizerCore(
             make_decoder(model_dir),
             stream_interval_s=config.stream_interval_s,
             max_stream_replies_per_s=config.max_stream_replies_per_s,
             may_cancel=self.shell.auth.may_cancel,
+            decode_token=lambda token_id: with_special([token_id]),
         )
         self.ledger = DeliveryLedger()
         self.goodput = Goodput(config, self.shell.metrics.metrics)

@@ -1,14 +1,15 @@
 """OpenAI (and vLLM) request bodies → the arguments of one Baton request
 (``BatonClient.stream_timed``).
 
-Division of labour: this module checks what only the OpenAI dialect has (``n``, ``logprobs``,
-``echo``, batched prompts, content parts, ``stream_options``) and the *types* of the fields it
-renames or needs itself, so a mistake names the field the client actually sent. Ranges and
-limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], penalties' ranges, stop-string counts,
-prompt length, token ids inside the vocabulary) are left to the tokenizer service, the one
-authority on them; its ``invalid_request`` replies come back as 400s all the same. A field
-Baton does not implement is refused with a 400 naming it unless the client left it at its
-default (request_fields.py lists them; docs/gateway.md has the whole table).
+Division of labour: this module checks what only the OpenAI dialect has (``n``, batched
+prompts, content parts, ``stream_options``; ``logprobs`` and ``echo`` in logprobs.py) and the
+*types* of the fields it renames or needs itself, so a mistake names the field the client
+actually sent. Ranges and limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], penalties'
+ranges, ``logprobs`` ≤ 20, stop-string counts, prompt length, token ids inside the vocabulary)
+are left to the tokenizer service, the one authority on them; its ``invalid_request`` replies
+come back as 400s all the same. A field Baton does not implement is refused with a 400 naming
+it unless the client left it at its default (request_fields.py lists them; docs/gateway.md has
+the whole table).
 
 Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0 (or the
 model's ``generation_config.json`` values for ``temperature`` / ``top_p`` / ``top_k``, as in vLLM:
@@ -19,10 +20,11 @@ tokenizer clamps it to what fits after the prompt); a completion's default stays
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.errors import ApiError, invalid
+from services.gateway.logprobs import ResponseOptions, baton_fields, parse_options
 from services.gateway.request_fields import CHAT_OFF, COMPLETION_OFF, SAMPLING_FIELDS
 from services.gateway.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from shared.config import BatonConfig
@@ -44,6 +46,8 @@ class BatonRequest:
     stream: bool
     include_usage: bool
     baton: dict[str, Any]  # keyword arguments of BatonClient.stream_timed
+    options: ResponseOptions = ResponseOptions()  # logprobs, echo (logprobs.py)
+    echo_text: str | None = None  # the prompt's text, when echoed (None: not known yet)
 
     @property
     def timeout_s(self) -> float | None:
@@ -59,8 +63,17 @@ def parse_completion(
     baton = _prompt(body.get("prompt"))
     max_tokens = _opt(body, "max_tokens", int)
     # Baton's default is OpenAI's documented one for /v1/completions: 16.
-    baton["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    return _finish(body, config, baton, defaults, chat=False)
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    # vLLM's echo without generation (lm-evaluation-harness's log-likelihood requests): one
+    # token is generated (Baton's minimum) and left out of the answer. Without echo, 0 is the
+    # tokenizer's to refuse, as vLLM refuses it.
+    echo_only = max_tokens == 0 and body.get("echo") is True
+    baton["max_tokens"] = 1 if echo_only else max_tokens
+    req = _finish(body, config, baton, defaults, chat=False)
+    if req.options.echo:
+        options = replace(req.options, echo_only=echo_only)
+        req = replace(req, options=options, echo_text=baton.get("prompt"))
+    return req
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -131,6 +144,8 @@ def _finish(
     for flag in ("ignore_eos", "include_stop_str_in_output"):
         if _opt(body, flag, bool):
             baton[flag] = True
+    options = parse_options(body, chat, stream)
+    baton.update(baton_fields(options))
     baton["stop"] = _stop(body.get("stop"))
     stop_token_ids = token_ids_of(body.get("stop_token_ids"), "stop_token_ids")
     if stop_token_ids:
@@ -142,7 +157,7 @@ def _finish(
             baton["priority"] = check_priority(priority)
         except ProtocolError as exc:
             raise invalid(exc.message, "priority") from None
-    return BatonRequest(chat, served, stream, include_usage, baton)
+    return BatonRequest(chat, served, stream, include_usage, baton, options)
 
 
 def check_model(body: dict[str, Any], config: BatonConfig) -> str:

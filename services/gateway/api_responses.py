@@ -6,6 +6,9 @@ the last content-bearing chunk is followed by one with ``finish_reason``, then, 
 ``stream_options.include_usage`` asked for it, a chunk with ``usage`` and empty ``choices``
 (every other chunk then carries ``"usage": null``, as OpenAI's do), then ``data: [DONE]``.
 
+Logprobs and echo take OpenAI's and vLLM's shapes (logprobs.py); every choice carries vLLM's
+``stop_reason`` (a stream's, its finish chunk).
+
 Finish reasons: Baton's ``stop`` and ``length`` pass through. ``timeout`` (the request's
 ``timeout_s`` ran out after some tokens) becomes ``length``: the output was cut by a budget the
 client set, which is what ``length`` tells a client. ``cancelled`` (someone published a cancel
@@ -20,6 +23,7 @@ import time
 from typing import Any
 
 from services.gateway.errors import ApiError
+from services.gateway.logprobs import LogprobsFormat, ResponseOptions
 from shared.wire.messages import DoneReply
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "abort"}
@@ -57,13 +61,22 @@ class Formatter:
     """The OpenAI objects of one request (one id, one ``created`` stamp, one model)."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, include_usage: bool = False
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        include_usage: bool = False,
+        options: ResponseOptions | None = None,
+        echo_text: str = "",
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
+        self.options = options = options or ResponseOptions()
+        self.echo_text = echo_text  # completions' echo: the prompt's text
         self.created = int(time.time())
+        self._stream_logprobs = LogprobsFormat(options)  # a stream's text_offset runs on
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {
@@ -77,25 +90,49 @@ class Formatter:
     # --- non-streaming ----------------------------------------------------------------------
     def completion(self, done: DoneReply) -> dict[str, Any]:
         reason = finish_reason(done.finish_reason)
+        opts, lp = self.options, LogprobsFormat(self.options)
+        asked = opts.logprobs is not None
         if self.chat:
             out = self._envelope("chat.completion")
             message = {"role": "assistant", "content": done.text}
-            out["choices"] = [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-            ]
+            logprobs = lp.chat(done.logprobs or []) if asked else None
+            choice = {"index": 0, "message": message, "logprobs": logprobs}
+            if opts.prompt_logprobs is not None:  # vLLM's place for chat: the response's
+                out["prompt_logprobs"] = lp.prompt(done.prompt_logprobs)
         else:
             out = self._envelope("text_completion")
-            out["choices"] = [
-                {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
-            ]
+            text, entries = done.text, done.logprobs or []
+            if opts.echo:
+                prompt = done.prompt_logprobs or []
+                text = self.echo_text + ("" if opts.echo_only else text)
+                entries = prompt + ([] if opts.echo_only else entries)
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": lp.completion(entries) if asked else None,
+            }
+        choice.update(finish_reason=reason, stop_reason=done.stop_reason)
+        if opts.prompt_logprobs is not None and not self.chat:  # vLLM's: the choice's
+            choice["prompt_logprobs"] = lp.prompt(done.prompt_logprobs)
+        out["choices"] = [choice]
         out["usage"] = usage(done)
         return out
 
     # --- streaming --------------------------------------------------------------------------
     def chunk(
-        self, text: str | None = None, reason: str | None = None, role: bool = False
+        self,
+        text: str | None = None,
+        reason: str | None = None,
+        role: bool = False,
+        logprobs: list[list[Any]] | None = None,
+        stop_reason: str | int | None = None,
     ) -> bytes:
-        """One SSE event: a text delta, the opening role (chat), or the finish (``reason``)."""
+        """One SSE event: a text delta (with its tokens' ``logprobs`` entries, if the request
+        asked), the opening role (chat), or the finish (``reason``)."""
+        scores = None
+        if logprobs is not None and self.options.logprobs is not None:
+            lp = self._stream_logprobs
+            scores = lp.chat(logprobs) if self.chat else lp.completion(logprobs)
         if self.chat:
             out = self._envelope("chat.completion.chunk")
             delta: dict[str, str] = {}
@@ -103,10 +140,12 @@ class Formatter:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": scores, "finish_reason": reason}
         else:
             out = self._envelope("text_completion")
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text or "", "logprobs": scores, "finish_reason": reason}
+        if reason is not None:
+            choice["stop_reason"] = stop_reason
         out["choices"] = [choice]
         if self.include_usage:
             out["usage"] = None
@@ -114,7 +153,8 @@ class Formatter:
 
     def finish(self, done: DoneReply) -> bytes:
         """The closing events: finish reason, usage (if asked for), ``[DONE]``."""
-        events = [self.chunk(reason=finish_reason(done.finish_reason))]
+        reason = finish_reason(done.finish_reason)
+        events = [self.chunk(reason=reason, stop_reason=done.stop_reason)]
         if self.include_usage:
             out = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
             out["choices"] = []

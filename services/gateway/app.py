@@ -9,6 +9,7 @@ router, is OpenAI's error JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import importlib.metadata
 import json
@@ -88,6 +89,9 @@ class _Api:
     async def completions(self, request: Request) -> Exchange:
         self._authorize(request)
         req = parse_completion(await self._json(request), self.config, self.defaults)
+        if req.options.echo and req.echo_text is None:  # a prompt of token ids: its text
+            text = await self.tokenization.decode(req.baton["prompt_token_ids"])
+            req = dataclasses.replace(req, echo_text=text)
         return Exchange(self.client, req, f"cmpl-{uuid.uuid4().hex}", self._metrics)
 
     async def chat_completions(self, request: Request) -> Exchange:

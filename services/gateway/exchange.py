@@ -71,7 +71,14 @@ class Exchange:
         self.request = request
         self.request_id = request_id
         self.metrics = metrics
-        self.fmt = Formatter(request_id, request.model, request.chat, request.include_usage)
+        self.fmt = Formatter(
+            request_id,
+            request.model,
+            request.chat,
+            request.include_usage,
+            request.options,
+            request.echo_text or "",
+        )
         self.log = log.bind(request_id=request_id)
         self._terminal_seen = False
 
@@ -152,21 +159,31 @@ class Exchange:
         headers = [(k.encode(), v.encode()) for k, v in SSE_HEADERS.items()]
         headers.append((b"x-request-id", self.request_id.encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        sent_text = ""
+        sent_text, sent_tokens = "", 0
         pending = [self.fmt.chunk(role=True)] if self.fmt.chat else []
+        options = self.fmt.options
+        echo = options.echo  # the prompt goes first, scored with the stream's first reply's
         t: TimedReply | None = first
         while t is not None:
             reply = t.reply
+            if echo and not isinstance(reply, ErrorReply):
+                pending.append(self.fmt.chunk(self.fmt.echo_text, logprobs=reply.prompt_logprobs))
+                echo = False
             if isinstance(reply, TokenReply):
-                if reply.text:
-                    pending.append(self.fmt.chunk(reply.text))
+                if options.echo_only:
+                    pass  # the one token generated is not part of the answer
+                elif reply.text or (reply.logprobs and options.logprobs is not None):
+                    pending.append(self.fmt.chunk(reply.text, logprobs=reply.logprobs))
                     sent_text += reply.text
+                    sent_tokens += len(reply.token_ids)
             elif isinstance(reply, DoneReply):
                 self._terminal_seen = True
                 # The token deltas add up to the done text (detokenizer invariant); should a
                 # tail ever be missing, send it rather than lose it.
-                if len(reply.text) > len(sent_text) and reply.text.startswith(sent_text):
-                    pending.append(self.fmt.chunk(reply.text[len(sent_text) :]))
+                tail = reply.text[len(sent_text) :] if reply.text.startswith(sent_text) else ""
+                unsent = reply.logprobs[sent_tokens:] if reply.logprobs else None
+                if not options.echo_only and (tail or unsent):
+                    pending.append(self.fmt.chunk(tail, logprobs=unsent))
                 pending.append(self.fmt.finish(reply))
                 self.log.debug("request done", finish_reason=reply.finish_reason, **reply.usage)
             else:

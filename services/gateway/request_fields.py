@@ -55,13 +55,9 @@ def _empty(value: Any) -> bool:
 
 
 # Fields Baton does not implement, each with the test for "the client left it at its default"
-# (null always is). Completions' logprobs=0 still asks for the sampled token's logprob, so only
-# false is off.
+# (null always is).
 _BOTH: dict[str, Check] = {
     # OpenAI
-    "logprobs": _false,
-    "top_logprobs": _zero,
-    "echo": _false,
     "logit_bias": _empty,
     "tools": _empty,
     "functions": _empty,
@@ -76,7 +72,6 @@ _BOTH: dict[str, Check] = {
     "skip_special_tokens": _true,  # Baton's text never holds special tokens
     "spaces_between_special_tokens": _true,
     "truncate_prompt_tokens": _never,
-    "prompt_logprobs": _never,
     "allowed_token_ids": _never,
     "bad_words": _empty,
     "guided_json": _never,
@@ -95,10 +90,12 @@ COMPLETION_OFF: dict[str, Check] = {
     **_BOTH,
     "suffix": lambda v: v == "",
     "add_special_tokens": _true,  # the tokenizer adds them to a prompt text, as HF does
+    "top_logprobs": _zero,  # chat's; a completion says how many with logprobs itself
 }
 CHAT_OFF: dict[str, Check] = {
     **_BOTH,
     "add_special_tokens": _false,  # the chat template places them
+    "echo": _false,  # vLLM's: the last message repeated in the answer
     "add_generation_prompt": _true,
     "continue_final_message": _false,
     "documents": _empty,
@@ -120,7 +117,6 @@ IGNORED = (
     "length_penalty",  # beam search only, which is refused
     "guided_decoding_backend",  # guided decoding only, which is refused
     "guided_whitespace_pattern",
-    "return_tokens_as_token_ids",  # logprobs only, which are refused
     "include_reasoning",
 )
 
@@ -137,4 +133,11 @@ HONOURED = (
     "ignore_eos",
     "stream",
     "priority",
+    # logprobs.py: completions' logprobs (a count) and echo, chat's logprobs (a flag) and
+    # top_logprobs, vLLM's prompt_logprobs and return_tokens_as_token_ids
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "prompt_logprobs",
+    "return_tokens_as_token_ids",
 )

@@ -91,9 +91,14 @@ class Tokenization:
         check_model(body, self.config)
         if body.get("tokens") is None:
             raise invalid("tokens is required: a list of token ids", "tokens")
-        ids = token_ids_of(body["tokens"], "tokens")
+        return {"prompt": await self.decode(token_ids_of(body["tokens"], "tokens"))}
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens included (also an echoed completion's prompt
+        given as token ids, as vLLM echoes it)."""
         encoder = await self._loaded()
-        return {"prompt": await self._call(lambda: encoder.decode(ids))}
+        text: str = await self._call(lambda: encoder.decode(ids))
+        return text
 
     async def _loaded(self) -> PromptEncoder:
         async with self._lock:

@@ -391,7 +391,13 @@ class EngineService(ABC):
             return
         events = [
             TokenEvent(
-                t.request_id, t.index, t.token_ids, t.finish_reason, scheduled_at=t.scheduled_at
+                t.request_id,
+                t.index,
+                t.token_ids,
+                t.finish_reason,
+                scheduled_at=t.scheduled_at,
+                logprobs=t.logprobs,
+                prompt_logprobs=t.prompt_logprobs,
             )
             for t in out.tokens
         ]

@@ -17,6 +17,7 @@ drops positions it already has).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from shared.wire.messages import TokenEvent
 
@@ -56,31 +57,40 @@ def merge(events: list[TokenEvent]) -> list[TokenEvent]:
     heads: list[TokenEvent] = []  # each run's first event
     tails: list[TokenEvent] = []  # and its latest
     tokens: list[list[int]] = []  # every token of the run
+    logprobs: list[list[Any] | None] = []  # and their logprobs, if the request asked
     last: dict[str, int] = {}  # request id -> its latest run's place
     for ev in events:
         i = last.get(ev.request_id)
         if i is not None and _continues(tails[i], heads[i].index + len(tokens[i]), ev):
-            if tails[i] is heads[i]:  # first continuation: the head's own list stays untouched
+            if tails[i] is heads[i]:  # first continuation: the head's own lists stay untouched
                 tokens[i] = list(tokens[i])
+                head_lps = logprobs[i]
+                logprobs[i] = None if head_lps is None else list(head_lps)
             tokens[i].extend(ev.token_ids)
+            if ev.logprobs is not None:
+                logprobs[i].extend(ev.logprobs)  # type: ignore[union-attr]
             tails[i] = ev
             continue
         last[ev.request_id] = len(heads)
         heads.append(ev)
         tails.append(ev)
         tokens.append(ev.token_ids)  # copied only if the run grows
+        logprobs.append(ev.logprobs)
     return [
-        head if tail is head else replace(head, token_ids=ids, finish_reason=tail.finish_reason)
-        for head, tail, ids in zip(heads, tails, tokens, strict=True)
+        head
+        if tail is head
+        else replace(head, token_ids=ids, finish_reason=tail.finish_reason, logprobs=lps)
+        for head, tail, ids, lps in zip(heads, tails, tokens, logprobs, strict=True)
     ]
 
 
 def _continues(prev: TokenEvent, end: int, ev: TokenEvent) -> bool:
     """``ev`` takes up at ``end``, where its request's run (latest event ``prev``) left off, and
-    neither ends it with an error."""
+    neither ends it with an error, and both carry logprobs or neither does."""
     return (
         prev.finish_reason is None
         and prev.error_code is None
         and ev.error_code is None
         and end == ev.index
+        and (prev.logprobs is None) == (ev.logprobs is None)
     )

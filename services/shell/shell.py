@@ -305,11 +305,19 @@ class ServiceShell:
 
 
 def detok_events(events: list[TokenEvent], sent_at: float, num_shards: int) -> list[Outgoing]:
-    """The events of a step or batch to the detokenizer: one message per shard that has any."""
+    """The events of a step or batch to the detokenizer: one message per shard that has any,
+    and one of its own for each event carrying a prompt's logprobs (each is bounded by the
+    tokenizer, shared/limits.py; several together in one message would not be). A request's
+    events keep their order: one publisher, one queue."""
     by_shard: dict[str, list[TokenEvent]] = {}
+    alone: list[Outgoing] = []
     for ev in events:
-        by_shard.setdefault(detok_queue_for(ev.request_id, num_shards), []).append(ev)
-    return [
+        queue = detok_queue_for(ev.request_id, num_shards)
+        if ev.prompt_logprobs is not None:
+            alone.append(Outgoing(queue, DetokMsg(events=[ev], sent_at=sent_at).encode()))
+        else:
+            by_shard.setdefault(queue, []).append(ev)
+    return alone + [
         Outgoing(queue, DetokMsg(events=evs, sent_at=sent_at).encode())
         for queue, evs in by_shard.items()
     ]

@@ -5,7 +5,8 @@ without ``reply_to`` cannot be answered and is dead-lettered with a log line. Ev
 outcome — the error reply, or the registration and the work — is committed in one transaction
 with the ack of the request (``services/shell/tx_outbox.py``): a crash never answers or
 registers one twice. ``max_tokens`` is
-clamped here, once, to what fits after the prompt (``Limits.clamp``); the priority is the body's
+clamped here, once, to what fits after the prompt and, with ``logprobs``, to what a reply's
+logprobs budget holds (``Limits.clamp``); the priority is the body's
 when it has the field, else the AMQP header's clamped to 0..9 (``parse_request``).
 
 Scheduling policy (``shared/flow_control/policy.py``): ``overloaded`` while baton.prefill or
@@ -98,6 +99,7 @@ class TokenizerService:
             req = parse_request(message.body, self.config, header_priority=message.priority)
             request_id = req.request_id
             token_ids = self.encoder.encode(req)
+            self.limits.check_prompt_logprobs(req.sampling, len(token_ids))
         except ProtocolError as exc:
             await self._reply_error(message, request_id, exc.code, exc.message)
             return
@@ -145,6 +147,8 @@ class TokenizerService:
             owner=message.user_id,
             priority=req.priority,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
         )
         work = PrefillMsg(
             request_id=req.request_id,

@@ -126,6 +126,8 @@ class RequestOptions(TypedDict, total=False):
     min_tokens: int
     stop_token_ids: Sequence[int] | None
     include_stop_str_in_output: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
     priority: int | None
     timeout_s: float | None
     request_id: str | None
@@ -308,6 +310,8 @@ class BatonClient:
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] | None = None,
         include_stop_str_in_output: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         priority: int | None = None,
         timeout_s: float | None = None,
         request_id: str | None = None,
@@ -334,6 +338,8 @@ class BatonClient:
                 frequency_penalty=frequency_penalty,
                 min_tokens=min_tokens,
                 stop_token_ids=tuple(stop_token_ids or ()),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             ),
             prompt=prompt,
             messages=chat,

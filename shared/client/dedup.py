@@ -44,6 +44,8 @@ class StreamDeduplicator:
             text=text,
             index=reply.index + skip_ids,
             text_offset=reply.text_offset + skip_chars,
+            logprobs=None if reply.logprobs is None else reply.logprobs[skip_ids:],
+            prompt_logprobs=None if skip_ids else reply.prompt_logprobs,
         )
 
 

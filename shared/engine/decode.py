@@ -27,6 +27,7 @@ from shared.engine.kv_prefetch import KVPrefetch
 from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.kv_transfer.connector import KVConnector, KVLoad
 from shared.kv_transfer.layerwise import FAILED, FINISHED, LayerwiseLoad
+from shared.runtime.logprobs import StepLogprobs
 from shared.runtime.sequence import Sequence
 from shared.scheduling import DecodeScheduler, DecodeStep
 from shared.scheduling.prefill_scheduler import PrefillBatch
@@ -160,7 +161,9 @@ class DecodeEngine(EngineCore):
         seqs = [*sched.recompute.seqs, *sched.decode]
         num_recompute = len(sched.recompute.seqs)
         step = sched
-        results = self._forward(seqs, out, lambda rows: self._run(step, rows))
+        asks = any(s.sampling.logprobs is not None for s in sched.decode)
+        logprobs = StepLogprobs() if asks else None
+        results = self._forward(seqs, out, lambda rows: self._run(step, rows, logprobs))
         if not results:
             return out
         if len(results) < len(seqs):  # a request failed alone: the rest of the step goes on
@@ -170,8 +173,15 @@ class DecodeEngine(EngineCore):
         reasons = {f.seq.request_id: f.reason for f in self.scheduler.update(sched, tokens)}
         for seq, token in zip(sched.decode, tokens, strict=True):
             rid = seq.request_id
+            entry = logprobs.sampled.get(rid) if logprobs is not None else None
             out.tokens.append(
-                TokenOutput(rid, seq.num_output_tokens - 1, [token], reasons.get(rid))
+                TokenOutput(
+                    rid,
+                    seq.num_output_tokens - 1,
+                    [token],
+                    reasons.get(rid),
+                    logprobs=None if entry is None else [entry],
+                )
             )
         for rid in reasons:
             self._retire(rid, out)
@@ -189,9 +199,11 @@ class DecodeEngine(EngineCore):
         )
         return out
 
-    def _run(self, sched: DecodeStep, rows: list[int]) -> list[int | None]:
+    def _run(
+        self, sched: DecodeStep, rows: list[int], logprobs: StepLogprobs | None
+    ) -> list[int | None]:
         """The step's forward over ``rows`` of [*recompute, *decode]: None for a recompute row,
-        the sampled token for a decode row."""
+        the sampled token for a decode row (and its logprobs into ``logprobs`` if it asks)."""
         recompute = sched.recompute
         num_recompute = len(recompute.seqs)
         again = [r for r in rows if r < num_recompute]
@@ -199,7 +211,8 @@ class DecodeEngine(EngineCore):
             self.runner.prefill(
                 [recompute.seqs[r] for r in again], [recompute.num_new_tokens[r] for r in again]
             )
-        decode = self.runner.decode([sched.decode[r - num_recompute] for r in rows[len(again) :]])
+        seqs = [sched.decode[r - num_recompute] for r in rows[len(again) :]]
+        decode = self.runner.decode(seqs, logprobs)
         return [None] * len(again) + list(decode)
 
     def _load(self, seq: Sequence, out: StepOutput) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.load import EngineLoad
 from shared.kv_transfer.connector import KVConnectorStats
+from shared.runtime.logprobs import Entry
 from shared.wire.errors import ErrorCode
 from shared.wire.messages import KVDescriptor, KVRelease
 from shared.wire.sampling import SamplingParams
@@ -58,6 +59,10 @@ class TokenOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" when this ends the request
     scheduled_at: float | None = None  # prefill: wall clock when its batch started
+    # Asked for by the request (shared/runtime/logprobs.py's entries): one per token, and
+    # prefill's one per prompt token (the first unscored: logprob and rank None).
+    logprobs: list[Entry] | None = None
+    prompt_logprobs: list[Entry] | None = None
 
 
 @dataclass(frozen=True)

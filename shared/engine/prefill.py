@@ -18,6 +18,7 @@ import time
 from shared.engine.engine import EngineCore
 from shared.engine.layerwise import PrefillStreams
 from shared.engine.outputs import KVTransferStat, NewRequest, StepOutput, TokenOutput
+from shared.runtime.logprobs import Entry, StepLogprobs, unscored
 from shared.runtime.sequence import Sequence
 from shared.scheduling import PrefillScheduler
 from shared.scheduling.prefill_scheduler import PrefillBatch
@@ -37,6 +38,8 @@ class PrefillEngine(EngineCore):
         layerwise = self.connector.layerwise and c.kv_layerwise and self.runner.host_tier is None
         self._streams = PrefillStreams(self.connector) if layerwise else None
         self._announced_batch: PrefillBatch | None = None
+        # prompt_logprobs of prompts still being computed (chunk by chunk): id -> position -> entry
+        self._prompt_logprobs: dict[str, dict[int, Entry]] = {}
         return PrefillScheduler(
             self.block_manager,
             c.max_num_batched_tokens,
@@ -51,6 +54,7 @@ class PrefillEngine(EngineCore):
         return super().has_work() or self._announced_batch is not None
 
     def _drop(self, request_id: str) -> None:
+        self._prompt_logprobs.pop(request_id, None)
         seq = self.requests.get(request_id)
         if seq is not None and self._streams is not None and self._streams.fail(request_id):
             # Announced: decode may be reading its pinned blocks; they wait for its release.
@@ -87,6 +91,8 @@ class PrefillEngine(EngineCore):
             self._announced_batch = batch  # computed next step, once the handoffs are out
             return out
         started, t0 = time.time(), time.perf_counter()
+        asks = any(_asks_logprobs(s) for s in batch.seqs)
+        logprobs = StepLogprobs() if asks else None
 
         def run(rows: list[int]) -> list[int | None]:
             sub = PrefillBatch(
@@ -94,7 +100,7 @@ class PrefillEngine(EngineCore):
             )
             # Announced prompts report each stored layer of the forward that computes them.
             on_layer = self._streams.on_layer(sub) if self._streams is not None else None
-            return self.runner.prefill(sub.seqs, sub.num_new_tokens, on_layer)
+            return self.runner.prefill(sub.seqs, sub.num_new_tokens, on_layer, logprobs)
 
         results = self._forward(batch.seqs, out, run)
         if not results:
@@ -103,9 +109,12 @@ class PrefillEngine(EngineCore):
         batch = PrefillBatch([batch.seqs[r] for r in ran], [batch.num_new_tokens[r] for r in ran])
         tokens = [results[r] for r in ran]
         forward_s = time.perf_counter() - t0
+        if logprobs is not None:
+            for rid, positions in logprobs.prompt.items():
+                self._prompt_logprobs.setdefault(rid, {}).update(positions)
         done = self.scheduler.update(batch, tokens)
         for seq in done:
-            self._finish_prompt(seq, started, now, out)
+            self._finish_prompt(seq, started, now, out, logprobs)
         self._free_handed_off(now)
         out.stats = self._stats(len(batch), batch.num_tokens, len(done), 0, forward_s)
         return out
@@ -130,10 +139,28 @@ class PrefillEngine(EngineCore):
             announced = True
         return announced
 
-    def _finish_prompt(self, seq: Sequence, started: float, now: float, out: StepOutput) -> None:
+    def _finish_prompt(
+        self,
+        seq: Sequence,
+        started: float,
+        now: float,
+        out: StepOutput,
+        logprobs: StepLogprobs | None = None,
+    ) -> None:
         rid, token = seq.request_id, seq.last_token_id
         reason = self.stop(token, seq.num_tokens, seq.num_output_tokens, seq.sampling)
-        out.tokens.append(TokenOutput(rid, 0, [token], reason, scheduled_at=started))
+        sampled = logprobs.sampled.get(rid) if logprobs is not None else None
+        out.tokens.append(
+            TokenOutput(
+                rid,
+                0,
+                [token],
+                reason,
+                scheduled_at=started,
+                logprobs=None if sampled is None else [sampled],
+                prompt_logprobs=self._prompt_logprobs_of(seq),
+            )
+        )
         if self._streams is not None and rid in self._streams:
             # Announced: its blocks are pinned for decode, which reads the first token (or
             # that the request ended) from the progress record and releases them.
@@ -157,9 +184,23 @@ class PrefillEngine(EngineCore):
             self.scheduler.free(seq)
         self._retire(rid, out)
 
+    def _prompt_logprobs_of(self, seq: Sequence) -> list[Entry] | None:
+        """The finished prompt's logprobs, one per prompt token: the first one's unscored
+        (nothing before it), as vLLM's ``None``, but with its id so the prompt reads whole."""
+        positions = self._prompt_logprobs.pop(seq.request_id, None) or {}
+        if seq.sampling.prompt_logprobs is None:
+            return None
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        return [positions.get(p) or unscored(t) for p, t in enumerate(prompt)]
+
     def _free_handed_off(self, now: float) -> None:
         for sender in self.connectors:
             for rid in sender.pop_freeable(now):
                 seq = self._handed_off.pop(rid, None)
                 if seq is not None:
                     self.scheduler.free(seq)
+
+
+def _asks_logprobs(seq: Sequence) -> bool:
+    p = seq.sampling
+    return p.logprobs is not None or p.prompt_logprobs is not None

@@ -330,7 +330,9 @@ class BlockManager:
         self._num_published_blocks[seq.request_id] = num_full
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        # A prompt whose logprobs are asked for is computed whole (vLLM's rule): a hit's
+        # positions would have no logits to score them. Its blocks are still published.
+        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
             return []
         self._adopt(seq)
         bs = self.block_size

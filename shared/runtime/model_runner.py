@@ -31,6 +31,7 @@ from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
 from shared.runtime.linear_layout import prepare_projections
 from shared.runtime.loader import load_model, resolve_dtype
+from shared.runtime.logprobs import StepLogprobs, prompt_entries
 from shared.runtime.model_config import ModelConfig
 from shared.runtime.sampler import Sampler
 from shared.runtime.sequence import Sequence
@@ -194,13 +195,16 @@ class ModelRunner:
         seqs: list[Sequence],
         num_new_tokens: list[int],
         on_layer: Callable[[int], None] | None = None,
+        logprobs: StepLogprobs | None = None,
     ) -> list[int | None]:
         """Compute tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence.
 
         Returns a sampled token for each sequence whose chunk reaches its ``num_tokens`` (the
         prompt is complete), ``None`` for one that stopped mid-prompt (chunked prefill).
         ``on_layer(n)``: called once the first ``n`` layers' KV is in the cache (a layer-wise
-        handoff publishes it; kv_transfer/layerwise.py).
+        handoff publishes it; kv_transfer/layerwise.py). ``logprobs``: where the sequences that
+        ask for them get their sampled token's logprobs and (``prompt_logprobs``) those of the
+        prompt positions this chunk scores; None: nobody asks.
         """
         if len(seqs) != len(num_new_tokens) or not seqs:
             raise ValueError("prefill needs one positive token count per sequence")
@@ -212,18 +216,24 @@ class ModelRunner:
             seqs,
             spans,
             lambda rows, tables: self._prefill(
-                [seqs[r] for r in rows], [num_new_tokens[r] for r in rows], tables, on_layer
+                [seqs[r] for r in rows],
+                [num_new_tokens[r] for r in rows],
+                tables,
+                on_layer,
+                logprobs,
             ),
         )
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
+    def decode(self, seqs: list[Sequence], logprobs: StepLogprobs | None = None) -> list[int]:
         """One token per sequence from its last token (position ``num_tokens - 1``, whose slot
-        the caller has appended)."""
+        the caller has appended). ``logprobs``: as in :meth:`prefill`."""
         if not seqs:
             return []
         spans = [(s.num_tokens - 1, s.num_tokens) for s in seqs]
         tokens = self._through_tiers(
-            seqs, spans, lambda rows, tables: self._decode([seqs[r] for r in rows], tables)
+            seqs,
+            spans,
+            lambda rows, tables: self._decode([seqs[r] for r in rows], tables, logprobs),
         )
         return cast(list[int], tokens)  # every row of a decode forward samples
 
@@ -258,8 +268,12 @@ class ModelRunner:
         num_new_tokens: list[int],
         tables: list[list[int]],
         on_layer: Callable[[int], None] | None = None,
+        logprobs: StepLogprobs | None = None,
     ) -> list[int | None]:
         bs = self.block_size
+        # (sequence, its first row, first prompt position scored, positions): the prompt
+        # tokens after each chunk position, which that position's logits score.
+        scored: list[tuple[Sequence, int, int, int]] = []
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -272,6 +286,10 @@ class ModelRunner:
                 raise ValueError(f"{seq.request_id!r}: cannot compute tokens {start}..{end}")
             if len(table) * bs < end:
                 raise ValueError(f"{seq.request_id!r}: blocks for {end} tokens not allocated")
+            if logprobs is not None and seq.sampling.prompt_logprobs is not None:
+                last = min(end + 1, seq.num_prompt_tokens)
+                if last > start + 1:
+                    scored.append((seq, len(input_ids), start + 1, last - start - 1))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             _extend_slots(slot_mapping, table, start, end, bs)
@@ -287,14 +305,22 @@ class ModelRunner:
         if on_layer is not None:
             meta = LayerProgress(meta, on_layer)
         sampled = self._run(
-            input_ids, positions, meta, logits_indices, [seqs[i] for i in sampled_rows]
+            input_ids,
+            positions,
+            meta,
+            logits_indices,
+            [seqs[i] for i in sampled_rows],
+            logprobs,
+            scored,
         )
         out: list[int | None] = [None] * len(seqs)
         for row, token in zip(sampled_rows, sampled, strict=True):
             out[row] = token
         return out
 
-    def _decode(self, seqs: list[Sequence], tables: list[list[int]]) -> list[int]:
+    def _decode(
+        self, seqs: list[Sequence], tables: list[list[int]], logprobs: StepLogprobs | None
+    ) -> list[int]:
         bs = self.block_size
         positions = [seq.num_tokens - 1 for seq in seqs]
         slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
@@ -302,7 +328,7 @@ class ModelRunner:
         fp = self._fp_batch(seqs, [(p, p + 1) for p in positions])
         meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens, fp)
         input_ids = [seq.token_ids[-1] for seq in seqs]
-        return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs)
+        return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs, logprobs)
 
     def _fp_batch(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> FpBatch | None:
         """The forward's full-precision windows (int8 with BATON_KV_FP_WINDOW), or None."""
@@ -319,6 +345,8 @@ class ModelRunner:
         meta: AttentionMetadata,
         logits_indices: list[int],
         sample_seqs: list[Sequence],
+        logprobs: StepLogprobs | None = None,
+        scored: list[tuple[Sequence, int, int, int]] | None = None,
     ) -> list[int]:
         dev = self.device
         if self.between_layers is not None:
@@ -329,17 +357,39 @@ class ModelRunner:
             self.kv_cache,
             meta,
         )
+        if logprobs is not None and scored:
+            self._score_prompts(hidden, scored, logprobs)
         if not logits_indices:
             return []
         if len(logits_indices) < hidden.shape[0]:
             hidden = hidden[torch.tensor(logits_indices, dtype=torch.int64, device=dev)]
         logits = self.model.compute_logits(hidden)
-        return self.sampler(
-            logits,
-            [s.sampling for s in sample_seqs],
-            [s.num_tokens for s in sample_seqs],
-            sample_seqs,
-        )
+        sampling = [s.sampling for s in sample_seqs]
+        tokens = self.sampler(logits, sampling, [s.num_tokens for s in sample_seqs], sample_seqs)
+        if logprobs is not None:
+            for row, entry in self.sampler.logprobs(logits, tokens, sampling).items():
+                logprobs.sampled[sample_seqs[row].request_id] = entry
+        return tokens
+
+    def _score_prompts(
+        self,
+        hidden: torch.Tensor,
+        scored: list[tuple[Sequence, int, int, int]],
+        logprobs: StepLogprobs,
+    ) -> None:
+        """The prompt logprobs of the positions this forward computed (vLLM's
+        ``prompt_logprobs``): only for the sequences that asked, from their rows' logits."""
+        vocab = self.model_config.vocab_size
+        for seq, row, first, count in scored:
+            entries = prompt_entries(
+                self.model.compute_logits,
+                hidden[row : row + count],
+                seq.token_ids[first : first + count],
+                seq.sampling.prompt_logprobs or 0,
+                vocab,
+            )
+            positions = logprobs.prompt.setdefault(seq.request_id, {})
+            positions.update(zip(range(first, first + count), entries, strict=True))
 
 
 class LayerProgress:

@@ -11,6 +11,9 @@ same position with the same logits always draws the same token, in any batch, an
 after a crash or a recompute; a row needs no random-generator state, only one hashed 64-bit
 number.
 
+Rows that ask for ``logprobs`` get them from :meth:`Sampler.logprobs`, over the logits as the
+model gave them (logprobs.py), after the draw; the others never pay for a ``log_softmax``.
+
 No full-vocabulary sort unless it is needed: top-k rows work on their ``k`` best candidates;
 top-p rows first look for the nucleus among the best ``NUCLEUS_GUESS`` tokens and sort the whole
 row only when it is not there. The candidate sets are bitwise the same either way, and which
@@ -25,6 +28,7 @@ import torch
 
 from kernels.cpu.argmax import torch_argmax
 from shared.runtime.logits_processors import History, apply_min_p, apply_min_tokens, penalize
+from shared.runtime.logprobs import Entry, logprob_entries
 from shared.runtime.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -129,6 +133,20 @@ class Sampler:
             for i, token in zip(rows, draw(x, params, u), strict=True):
                 tokens[i] = token
         return tokens
+
+    def logprobs(
+        self, logits: torch.Tensor, tokens: list[int], sampling: list[SamplingParams]
+    ) -> dict[int, Entry]:
+        """The chosen tokens' logprobs (and each row's ``logprobs`` alternatives) of the rows
+        that ask, by row, from the same ``logits`` the tokens were sampled from, as the model
+        gave them (logprobs.py: vLLM's ``raw_logprobs``). Nothing is computed when no row asks."""
+        rows = [i for i, p in enumerate(sampling) if p.logprobs is not None]
+        if not rows:
+            return {}
+        entries = logprob_entries(
+            logits[rows], [tokens[i] for i in rows], [sampling[i].logprobs or 0 for i in rows]
+        )
+        return dict(zip(rows, entries, strict=True))
 
     def _process(
         self,

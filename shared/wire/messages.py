@@ -60,9 +60,10 @@ __all__ = [
 # 4: DetokMsg.marks (the detokenizer's stream high-water marks), StartInfo.owner and .priority;
 #    KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
 #    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
-# Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids) and
-# StartInfo.include_stop_str_in_output have defaults and are left out of a message at them, so
-# messages of requests that use none read alike on either side of an upgrade.
+# Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids, logprobs,
+# prompt_logprobs), StartInfo's (include_stop_str_in_output, min_tokens, stop_token_ids) and
+# TokenEvent's (logprobs, prompt_logprobs) have defaults and are left out of a message at them,
+# so messages of requests that use none read alike on either side of an upgrade.
 SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
 
@@ -254,20 +255,25 @@ class StartInfo:
     # None if it set none: a cancel is honoured only from the same (services/shell/control_auth.py).
     owner: str | None = None
     priority: int = 0  # the client's (goodput is counted per priority)
-    # The stop string, or the text of the token that stopped it, stays in the text. Left out of
-    # the message when false (to_dict), as the sampling additions are.
+    # Additions, left out of the message at their defaults (to_dict), as the sampling ones are.
+    # The stop string, or the text of the token that stopped it, stays in the text.
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings are not looked for in the text of the first this many
+    stop_token_ids: list[int] = field(default_factory=list)  # a done reply's stop_reason
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _START_FIELDS}
         if self.include_stop_str_in_output:
             d["include_stop_str_in_output"] = True
+        if self.min_tokens:
+            d["min_tokens"] = self.min_tokens
+        if self.stop_token_ids:
+            d["stop_token_ids"] = self.stop_token_ids
         return d
 
 
-_START_FIELDS = tuple(
-    name for name in StartInfo.__dataclass_fields__ if name != "include_stop_str_in_output"
-)
+_START_ADDITIONS = ("include_stop_str_in_output", "min_tokens", "stop_token_ids")
+_START_FIELDS = tuple(n for n in StartInfo.__dataclass_fields__ if n not in _START_ADDITIONS)
 
 
 @dataclass
@@ -281,6 +287,26 @@ class TokenEvent:
     error_code: str | None = None  # set on a terminal error (no done reply then)
     error_message: str | None = None
     scheduled_at: float | None = None  # wall clock when prefill started it (index-0 events)
+    # Additions, left out of the message when None (to_dict). One entry per token of
+    # ``token_ids`` when the request asked for ``logprobs``; the index-0 event of a request that
+    # asked for ``prompt_logprobs`` has one per prompt token (the first's logprob and rank are
+    # None: nothing before it scores it). An entry: ``[token_id, logprob, rank, top_ids,
+    # top_logprobs]`` (shared/runtime/logprobs.py).
+    logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[list[Any]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in _EVENT_FIELDS}
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = self.prompt_logprobs
+        return d
+
+
+_EVENT_FIELDS = tuple(
+    n for n in TokenEvent.__dataclass_fields__ if n not in ("logprobs", "prompt_logprobs")
+)
 
 
 @dataclass

@@ -25,12 +25,13 @@ class TokenReply:
     index: int
     text_offset: int | None = None  # None: from a server that predates it
     type: str = "token"
+    # Additions (absent unless the request asked): one entry per token of ``token_ids``
+    # (:data:`LOGPROB_ENTRY`); the prompt's, on the reply that starts the stream.
+    logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[list[Any]] | None = None
 
     def encode(self) -> bytes:
-        d = to_map(self)
-        if self.text_offset is None:  # absent, not nil
-            del d["text_offset"]
-        return pack(d)
+        return pack(_without_nils(to_map(self), _TOKEN_ADDITIONS))
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,31 @@ class DoneReply:
     usage: dict[str, int]
     timing: dict[str, float | None]
     type: str = "done"
+    # Additions (absent unless set): every output token's logprobs, the prompt's, and what
+    # ended a ``stop``: the stop string, or the ``stop_token_ids`` entry (None: EOS).
+    logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[list[Any]] | None = None
+    stop_reason: str | int | None = None
 
     def encode(self) -> bytes:
-        return pack(to_map(self))
+        return pack(_without_nils(to_map(self), _DONE_ADDITIONS))
+
+
+# A logprob entry as replies carry it: ``[token_id, token, logprob, rank, top]``, ``top`` the
+# most likely tokens best first, each ``[token_id, token, logprob]``; ``token`` is the token's
+# own text (decoded alone, special tokens included) and ``rank`` the chosen token's place, 1
+# for the most likely (docs/contract.md). A prompt's first token has logprob and rank None.
+LOGPROB_ENTRY = ("token_id", "token", "logprob", "rank", "top")
+_TOKEN_ADDITIONS = ("text_offset", "logprobs", "prompt_logprobs")
+_DONE_ADDITIONS = ("logprobs", "prompt_logprobs", "stop_reason")
+
+
+def _without_nils(d: dict[str, Any], additions: tuple[str, ...]) -> dict[str, Any]:
+    """Additions at None are left out (absent, not nil): a reply that uses none reads as before."""
+    for name in additions:
+        if d[name] is None:
+            del d[name]
+    return d
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (finish_reason "stop")
+    # Log-probabilities returned with each output token: the chosen token's and this many most
+    # likely alternatives (0: the chosen token's alone); None = none. ``prompt_logprobs``: the
+    # same for each prompt token after the first. vLLM's default ``raw_logprobs``: the model's
+    # own distribution, before penalties, temperature and the top-k / top-p / min-p filters.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Whether the sampler reshapes this request's logits (penalties, min_tokens): not a field.
     processes_logits: ClassVar[bool]
 
@@ -81,4 +87,6 @@ _ADDITIONS: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "min_tokens": 0,
     "stop_token_ids": (),
+    "logprobs": None,
+    "prompt_logprobs": None,
 }

@@ -24,6 +24,7 @@ _MAX_REQUEST_ID_BYTES = 255  # an AMQP short string
 MAX_STOP_TOKEN_IDS = 128
 _MAX_REPETITION_PENALTY = 10.0
 _MAX_ABS_PENALTY = 2.0  # presence / frequency: OpenAI's range
+MAX_LOGPROBS = 20  # alternatives per token: vLLM's default max_logprobs
 
 
 def _bad(message: str) -> ProtocolError:
@@ -45,6 +46,11 @@ def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     if not lo <= v <= hi:
         raise _bad(f"{key} must be in [{lo}, {hi}], got {v}")
     return v
+
+
+def _optional_int(d: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    """An integer in ``[lo, hi]``, or None (absent or null: the feature is off)."""
+    return None if d.get(key) is None else _int(d, key, lo, lo, hi)
 
 
 def _float(
@@ -119,6 +125,8 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
         # As vLLM: more than max_tokens could never be met.
         min_tokens=_int(d, "min_tokens", 0, 0, max_tokens),
         stop_token_ids=_parse_stop_token_ids(d.get("stop_token_ids")),
+        logprobs=_optional_int(d, "logprobs", 0, MAX_LOGPROBS),
+        prompt_logprobs=_optional_int(d, "prompt_logprobs", 0, MAX_LOGPROBS),
     )
     timeout_s = d.get("timeout_s")
     if timeout_s is not None:

@@ -23,12 +23,12 @@ async def test_decode_service_survives_a_failed_step() -> None:
         real_decode = decode.engine.runner.decode
         failures = 0
 
-        def fail_once(seqs: Any) -> Any:
+        def fail_once(seqs: Any, *args: Any) -> Any:
             nonlocal failures
             if failures == 0:
                 failures += 1
                 raise RuntimeError("injected fault")
-            return real_decode(seqs)
+            return real_decode(seqs, *args)
 
         decode.engine.runner.decode = fail_once
         await decode.start()
@@ -52,7 +52,7 @@ async def test_requests_of_a_failed_step_get_internal_error() -> None:
         procs.kill("decode")
         decode: Any = build("decode", procs.config())
 
-        def always_fail(seqs: Any) -> Any:
+        def always_fail(seqs: Any, *args: Any) -> Any:
             raise RuntimeError("injected fault")
 
         decode.engine.runner.decode = always_fail

@@ -131,7 +131,7 @@ async def test_error_after_the_first_token_travels_in_the_stream(
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+    [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"echo": "yes"}, "echo"),
      ({"best_of": 2}, "best_of"), ({"prompt": ["a", "b"]}, "prompt"),
      ({"model": "gpt-4"}, "model")],
 )  # fmt: skip

@@ -76,8 +76,10 @@ def test_prompt_forms(prompt: object, key: str, value: object) -> None:
         ({"prompt": None}, "prompt"),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "logprobs": 0}, "logprobs"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),  # a count, not chat's flag
+        ({"prompt": "x", "echo": 1}, "echo"),
+        ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),  # chat's
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's
         ({"prompt": "x", "suffix": "tail"}, "suffix"),
         ({"prompt": "x", "presence_penalty": "0.5"}, "presence_penalty"),  # honoured: typed
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
@@ -127,9 +129,10 @@ def test_chat_messages(messages: list[dict[str, object]], ok: bool) -> None:
             parse_chat(body, CONFIG, LIMITS)
 
 
-def test_chat_refuses_logprobs_and_tools() -> None:
+def test_chat_refusals_name_the_field() -> None:
     base = {"messages": [{"role": "user", "content": "x"}]}
-    for extra in ({"logprobs": True}, {"top_logprobs": 2}, {"tools": [{"type": "function"}]},
+    for extra in ({"logprobs": 1}, {"top_logprobs": 2}, {"echo": True},
+                  {"tools": [{"type": "function"}]},
                   {"response_format": {"type": "json_object"}}, {"n": 2}):  # fmt: skip
         with pytest.raises(ApiError) as info:
             parse_chat({**base, **extra}, CONFIG, LIMITS)
@@ -208,7 +211,9 @@ def test_chunks_follow_openai_format() -> None:
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert delta["object"] == "chat.completion.chunk" and delta["usage"] is None
     end, usage, last = _events(chat.finish(done))
-    assert end["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert end["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop", "stop_reason": None}
+    ]
     assert usage["choices"] == [] and usage["usage"] == {
         "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
     }  # fmt: skip

@@ -28,6 +28,7 @@ from shared.engine.outputs import (
 from shared.engine.prefill import PrefillEngine
 from shared.models.tiny.builder import ensure_tiny_model, model_dir_name
 from shared.runtime import ModelRunner, SamplingParams, Sequence
+from shared.runtime.logprobs import Entry, StepLogprobs
 
 MODELS_DIR = REPO_ROOT / "models"
 
@@ -80,6 +81,7 @@ class ForwardLog:
             seqs: list[Sequence],
             num_new_tokens: list[int],
             on_layer: Callable[[int], None] | None = None,
+            logprobs: StepLogprobs | None = None,
         ) -> list[int | None]:
             self.prefills.append(
                 [
@@ -87,11 +89,11 @@ class ForwardLog:
                     for s, n in zip(seqs, num_new_tokens, strict=True)
                 ]
             )
-            return prefill(seqs, num_new_tokens, on_layer)
+            return prefill(seqs, num_new_tokens, on_layer, logprobs)
 
-        def spy_decode(seqs: list[Sequence]) -> list[int]:
+        def spy_decode(seqs: list[Sequence], logprobs: StepLogprobs | None = None) -> list[int]:
             self.decodes.append([s.request_id for s in seqs])
-            return decode(seqs)
+            return decode(seqs, logprobs)
 
         runner.prefill = spy_prefill  # type: ignore[method-assign]
         runner.decode = spy_decode  # type: ignore[method-assign]
@@ -144,6 +146,9 @@ class EnginePair:
         self.expired: set[str] = set()  # retired silently by an engine (deadline)
         self.decode_running: list[int] = []  # decode's running batch size after each step
         self.swapped: list[str] = []  # requests decode swapped out (and took back), in order
+        # The entries of requests that asked (shared/runtime/logprobs.py), in output order.
+        self.logprobs: dict[str, list[Entry]] = {}
+        self.prompt_logprobs: dict[str, list[Entry]] = {}
 
     @classmethod
     def build(
@@ -271,6 +276,10 @@ class EnginePair:
             got = self.tokens[t.request_id]
             assert t.index == len(got), (t.request_id, t.index, len(got))  # in order, no gaps
             got.extend(t.token_ids)
+            if t.logprobs is not None:
+                self.logprobs.setdefault(t.request_id, []).extend(t.logprobs)
+            if t.prompt_logprobs is not None:
+                self.prompt_logprobs[t.request_id] = t.prompt_logprobs
             if t.finish_reason is not None:
                 self.finish[t.request_id] = t.finish_reason
         for e in out.errors:
