@@ -52,6 +52,7 @@ COMMANDS: dict[str, Command] = {
     "gateway-overhead": Command("serving.gateway_overhead"),
     "exactly-once": Command("serving.exactly_once_bench"),
     "pd-advice": Command("serving.pd_advice"),
+    "step-trace": Command("serving.step_trace"),
     "locust": Command("", about="how to run the Locust users (AMQP and HTTP), which run on gevent"),
     # loadtest/engine/: in process, no broker
     "step-profile": Command("engine.step_profile"),

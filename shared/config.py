@@ -313,6 +313,11 @@ class BatonConfig:
     log_level: str = "info"
     # 0 = no metrics server. Each service adds its own offset (see services/__main__.py).
     metrics_port: int = 0
+    # A file each engine service appends one JSON line to per turn of its loop (what it waited
+    # for, each step's forward, its publishing), "{service}" and "{pid}" filled in; "" = off.
+    # `python -m loadtest step-trace FILE...` says where a step's wall time went
+    # (services/shell/step_trace.py).
+    step_trace: str = ""
     # --- gateway ------------------------------------------------------------------------------
     # The address the OpenAI-compatible HTTP gateway (services/gateway, docs/gateway.md) listens
     # on.

@@ -34,6 +34,7 @@ from services.shell.cpus import check_nice, yield_thread_cpu
 from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
 from services.shell.shell import ServiceShell, ack, detok_events, requeue
+from services.shell.step_trace import StepTrace
 from shared.config import BatonConfig
 from shared.engine.cpu_share import CpuShareManager
 from shared.engine.engine import EngineCore
@@ -109,6 +110,7 @@ class EngineService(ABC):
         self.cpu_share = cpu_share
         self.yield_s = yield_s
         self._last_step_at = 0.0  # time.monotonic() after the last step
+        self.trace = StepTrace(config.step_trace, self.name)
         # Every step on one thread of its own. torch's thread count (OpenMP's) is a setting of
         # the calling thread, and each calling thread keeps its own OpenMP team: steps spread
         # over asyncio's shared pool (asyncio.to_thread; the spill poller uses it too) would run
@@ -195,6 +197,7 @@ class EngineService(ABC):
         # A step still running finishes before the engine closes under it.
         await asyncio.get_running_loop().run_in_executor(None, self._stepper.shutdown)
         self.engine.close()
+        self.trace.close()
         if self.cpu_share is not None:
             self.cpu_share.close()
 
@@ -260,21 +263,37 @@ class EngineService(ABC):
                 await asyncio.sleep(0.1)
 
     async def _iterate(self) -> None:
+        trace = self.trace
         if not self.engine.has_work() and not self._has_input():
-            await self._wait(IDLE_WAIT_S)
+            with trace.span("idle"):
+                await self._wait(IDLE_WAIT_S)
             if self._has_input() and self.batch_wait_s > 0:
-                await self._gather()
+                with trace.span("gather"):
+                    await self._gather()
         self._take_in()
         if self._yields_step():
-            await self._wait(YIELD_POLL_S)
+            with trace.span("yield", running=self.engine.num_running):
+                await self._wait(YIELD_POLL_S)
             return
+        started = time.monotonic()
         out = await asyncio.get_running_loop().run_in_executor(self._stepper, self._step)
         self._last_step_at = time.monotonic()
-        self._publish(out)
-        self.load = out.load
-        self.prefetch.want(self.window(out.load))
+        if trace:
+            stats = out.stats
+            trace.record(
+                "step", started, self._last_step_at,
+                forward_s=round(stats.forward_s, 6) if stats else None,
+                seqs=stats.num_seqs if stats else 0,
+                tokens=stats.num_scheduled_tokens if stats else 0,
+                threads=stats.num_threads if stats else None,
+            )  # fmt: skip
+        with trace.span("publish"):
+            self._publish(out)
+            self.load = out.load
+            self.prefetch.want(self.window(out.load))
         if out.stats is None and self.engine.has_work() and not self._has_input():
-            await self._wait(BUSY_WAIT_S)
+            with trace.span("busy_wait"):
+                await self._wait(BUSY_WAIT_S)
 
     async def _gather(self) -> None:
         """On waking to work: a burst (more than one request already here) waits for the rest
