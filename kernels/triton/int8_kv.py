@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks
+from kernels.triton import _checks
 from kernels.triton.int8_ref import dequantize_kv_ref, quantize_kv_ref  # noqa: F401 (its API)
 from kernels.triton.paged_decode_attention import (
     FullPrecisionWindow,

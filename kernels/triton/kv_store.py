@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks
+from kernels.triton import _checks
 
 
 @triton.jit

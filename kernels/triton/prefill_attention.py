@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks
+from kernels.triton import _checks
 from kernels.triton._paged_tile import attend_kv_tile
 
 LOG2E = 1.4426950408889634
