@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from kernels.cpu.paged_decode_attention import DecodeKernel, KernelBatch
 from kernels.cpu.paged_decode_int8 import Int8DecodeKernel
 from kernels.cpu.prefill_attention import FreshPrompts, PrefillKernel
-from shared.runtime.attention import int8 as a8
 from shared.runtime.attention.common import (
     FLOAT_KV,
     AttentionMetadata,
@@ -22,6 +21,12 @@ from shared.runtime.attention.common import (
     store_kv_torch,
 )
 from shared.runtime.attention.cpu_kernels import CpuKernelDecodeMetadata, KernelPrompts
+from shared.runtime.attention.int8 import (
+    Int8DecodeBatch,
+    Int8KernelDecodeMetadata,
+    Store,
+    TorchQuantDecodeMetadata,
+)
 from shared.runtime.decode_rows import DecodeBatch
 from shared.runtime.fp_window import FpBatch, FpWindow
 from shared.runtime.kv_codec import Int8KV, KVCodec
@@ -275,11 +280,11 @@ class TorchAttentionBackend:
             )
         slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
         if isinstance(self.codec, Int8KV):
-            store = a8.Store(slot_tensor, self.codec, fp, self.fp_window, self.int8_kernel)
-            batch8 = a8.Int8DecodeBatch.build(tables, context_lens, fp, self.fp_window, bs, dev)
+            store = Store(slot_tensor, self.codec, fp, self.fp_window, self.int8_kernel)
+            batch8 = Int8DecodeBatch.build(tables, context_lens, fp, self.fp_window, bs, dev)
             if self.int8_kernel is not None:
-                return a8.Int8KernelDecodeMetadata(store, batch8, self.scale, self.int8_kernel)
-            return a8.TorchQuantDecodeMetadata(store, batch8, self.scale, self.num_kv_heads)
+                return Int8KernelDecodeMetadata(store, batch8, self.scale, self.int8_kernel)
+            return TorchQuantDecodeMetadata(store, batch8, self.scale, self.num_kv_heads)
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
         batch = DecodeBatch(tables, lens, bs, self.num_kv_heads)
         return TorchDecodeMetadata(slot_tensor, batch, self.scale)
