@@ -98,6 +98,77 @@ def test_no_import_runs_up_or_sideways() -> None:
     assert violations() == []
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports (``from pkg import submodule`` names the
+    submodule, not the package)."""
+    files = {module_name(p): p for p in source_files()}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [n for n in subs if n in files] or [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[module] |= {n for n in names if n in files and n != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """Modules import each other in no circle, lazy imports included (a circle is what made
+    the attention modules import each other inside functions)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """The walker finds imports inside functions too (a lazy import is still a dependency)."""
     probe = tmp_path / "probe.py"
