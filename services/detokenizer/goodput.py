@@ -12,8 +12,7 @@ fraction served within the objectives (docs/deploy.md, "Health and metrics": Goo
 from __future__ import annotations
 
 from shared.config import BatonConfig
-from shared.observability.metrics import Metrics
-from shared.wire.messages import DoneReply, ErrorReply, StartInfo
+from shared.wire.messages import DoneReply, ErrorReply
 
 SERVED = ("stop", "length")
 
@@ -26,13 +25,12 @@ def meets_slo(reply: DoneReply | ErrorReply, slo_ttft_s: float, slo_tpot_s: floa
 
 
 class Goodput:
-    def __init__(self, config: BatonConfig, metrics: Metrics) -> None:
+    """The deployment's objectives; the detokenizer judges each terminal reply by them and
+    counts the verdict (ServiceMetrics.on_slo_judged)."""
+
+    def __init__(self, config: BatonConfig) -> None:
         self.slo_ttft_s = config.slo_ttft_s
         self.slo_tpot_s = config.slo_tpot_s
-        self.metrics = metrics
 
-    def observe(self, info: StartInfo, reply: DoneReply | ErrorReply) -> None:
-        priority = str(info.priority)
-        self.metrics.request_slo_judged.labels(priority=priority).inc()
-        if meets_slo(reply, self.slo_ttft_s, self.slo_tpot_s):
-            self.metrics.request_goodput.labels(priority=priority).inc()
+    def met(self, reply: DoneReply | ErrorReply) -> bool:
+        return meets_slo(reply, self.slo_ttft_s, self.slo_tpot_s)

@@ -87,7 +87,7 @@ class DetokenizerService:
             decode_token=lambda token_id: with_special([token_id]),
         )
         self.ledger = DeliveryLedger()
-        self.goodput = Goodput(config, self.shell.metrics.metrics)
+        self.goodput = Goodput(config)
         self._inbox: deque[AbstractIncomingMessage] = deque()
         self._cancels: deque[tuple[str, str | None]] = deque()  # (request id, sender)
         self._wake = asyncio.Event()
@@ -259,7 +259,7 @@ class DetokenizerService:
         self.shell.metrics.set_detok_held(len(self.ledger), self.core.num_active)
         for info, reply in out.finished:
             self.shell.metrics.on_request_finished(info, reply)
-            self.goodput.observe(info, reply)
+            self.shell.metrics.on_slo_judged(info.priority, self.goodput.met(reply))
             log.info(
                 "request finished",
                 request_id=info.request_id,

@@ -80,6 +80,12 @@ class ServiceMetrics:
         self.metrics.poison_messages.labels(queue=queue).inc()
 
     # --- detokenizer ----------------------------------------------------------------------------
+    def on_slo_judged(self, priority: int, met: bool) -> None:
+        """A terminal reply judged against the objectives (services/detokenizer/goodput.py)."""
+        self.metrics.request_slo_judged.labels(priority=str(priority)).inc()
+        if met:
+            self.metrics.request_goodput.labels(priority=str(priority)).inc()
+
     def set_detok_held(self, held_messages: int, active_requests: int) -> None:
         self.metrics.detok_held_messages.set(held_messages)
         self.metrics.detok_active_requests.set(active_requests)

@@ -4,8 +4,8 @@ objectives; every terminal reply is judged, per the client's priority."""
 from __future__ import annotations
 
 from services.detokenizer.goodput import Goodput, meets_slo
+from services.shell.service_metrics import ServiceMetrics
 from shared.config import BatonConfig
-from shared.observability.metrics import Metrics
 from shared.wire.messages import DoneReply, ErrorReply, StartInfo
 
 
@@ -26,13 +26,16 @@ def test_both_objectives_must_be_met() -> None:
 
 
 def test_counted_per_priority_beside_every_judged_request() -> None:
-    metrics = Metrics("m")
-    goodput = Goodput(BatonConfig(slo_ttft_s=2.0, slo_tpot_s=0.1), metrics)
+    config = BatonConfig(slo_ttft_s=2.0, slo_tpot_s=0.1, served_model_name="m")
+    goodput, service = Goodput(config), ServiceMetrics(config, "detokenizer")
     urgent, normal = StartInfo("a", "q", 1, priority=9), StartInfo("b", "q", 1)
-    goodput.observe(urgent, done(0.5, 0.01))
-    goodput.observe(urgent, done(3.0, 0.01))
-    goodput.observe(normal, ErrorReply("b", "internal", "boom"))
-    text = metrics.render().decode()
+    for info, reply in (
+        (urgent, done(0.5, 0.01)),
+        (urgent, done(3.0, 0.01)),
+        (normal, ErrorReply("b", "internal", "boom")),
+    ):
+        service.on_slo_judged(info.priority, goodput.met(reply))
+    text = service.metrics.render().decode()
     assert 'baton:request_goodput_total{model_name="m",priority="9"} 1.0' in text
     assert 'baton:request_slo_judged_total{model_name="m",priority="9"} 2.0' in text
     assert 'baton:request_slo_judged_total{model_name="m",priority="0"} 1.0' in text
