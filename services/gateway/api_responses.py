@@ -5,6 +5,9 @@ Streams follow OpenAI's chunk format: ``text_completion`` objects for /v1/comple
 the last content-bearing chunk is followed by one with ``finish_reason``, then, when
 ``stream_options.include_usage`` asked for it, a chunk with ``usage`` and empty ``choices``
 (every other chunk then carries ``"usage": null``, as OpenAI's do), then ``data: [DONE]``.
+With ``n`` > 1 every choice has its own chunks (``choices[0].index``: which), its own opening
+role chunk (chat) and finish chunk, in the order Baton's replies come; usage and ``[DONE]``
+follow the last choice's finish. Usage counts the prompt once and sums the choices' tokens.
 
 Finish reasons: Baton's ``stop`` and ``length`` pass through. ``timeout`` (the request's
 ``timeout_s`` ran out after some tokens) becomes ``length``: the output was cut by a budget the
@@ -35,9 +38,10 @@ def finish_reason(baton_reason: str) -> str:
     return FINISH_REASONS.get(baton_reason, baton_reason)
 
 
-def usage(done: DoneReply) -> dict[str, int]:
-    prompt = int(done.usage.get("prompt_tokens", 0))
-    completion = int(done.usage.get("completion_tokens", len(done.token_ids)))
+def usage(dones: list[DoneReply]) -> dict[str, int]:
+    """The prompt once, the completion tokens of every choice."""
+    prompt = int(dones[0].usage.get("prompt_tokens", 0))
+    completion = sum(int(d.usage.get("completion_tokens", len(d.token_ids))) for d in dones)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -75,27 +79,32 @@ class Formatter:
         }
 
     # --- non-streaming ----------------------------------------------------------------------
-    def completion(self, done: DoneReply) -> dict[str, Any]:
-        reason = finish_reason(done.finish_reason)
-        if self.chat:
-            out = self._envelope("chat.completion")
-            message = {"role": "assistant", "content": done.text}
-            out["choices"] = [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-            ]
-        else:
-            out = self._envelope("text_completion")
-            out["choices"] = [
-                {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
-            ]
-        out["usage"] = usage(done)
+    def completion(self, dones: list[DoneReply]) -> dict[str, Any]:
+        """``dones``: each choice's done reply, in choice order."""
+        out = self._envelope("chat.completion" if self.chat else "text_completion")
+        choices = []
+        for index, done in enumerate(dones):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": done.text}
+            else:
+                choice["text"] = done.text
+            choice.update(logprobs=None, finish_reason=finish_reason(done.finish_reason))
+            choices.append(choice)
+        out["choices"] = choices
+        out["usage"] = usage(dones)
         return out
 
     # --- streaming --------------------------------------------------------------------------
     def chunk(
-        self, text: str | None = None, reason: str | None = None, role: bool = False
+        self,
+        text: str | None = None,
+        reason: str | None = None,
+        role: bool = False,
+        index: int = 0,
     ) -> bytes:
-        """One SSE event: a text delta, the opening role (chat), or the finish (``reason``)."""
+        """One SSE event of choice ``index``: a text delta, the opening role (chat), or the
+        finish (``reason``)."""
         if self.chat:
             out = self._envelope("chat.completion.chunk")
             delta: dict[str, str] = {}
@@ -103,22 +112,31 @@ class Formatter:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             out = self._envelope("text_completion")
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         out["choices"] = [choice]
         if self.include_usage:
             out["usage"] = None
         return sse(out)
 
     def finish(self, done: DoneReply) -> bytes:
-        """The closing events: finish reason, usage (if asked for), ``[DONE]``."""
-        events = [self.chunk(reason=finish_reason(done.finish_reason))]
+        """The closing events of a one-choice stream: finish reason, usage (if asked for),
+        ``[DONE]``."""
+        return self.finish_choice(done) + self.close([done])
+
+    def finish_choice(self, done: DoneReply, index: int = 0) -> bytes:
+        """Choice ``index`` ends: its finish reason."""
+        return self.chunk(reason=finish_reason(done.finish_reason), index=index)
+
+    def close(self, dones: list[DoneReply]) -> bytes:
+        """After every choice's finish: usage (if asked for), ``[DONE]``."""
+        events = []
         if self.include_usage:
             out = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
             out["choices"] = []
-            out["usage"] = usage(done)
+            out["usage"] = usage(dones)
             events.append(sse(out))
         events.append(DONE_EVENT)
         return b"".join(events)

@@ -12,6 +12,9 @@ leaves while its request is still queued and nothing has been written yet.
 Invariant: the status line is sent only once the first reply is in. An error Baton answers
 before any token (bad field, prompt too long, overloaded, timeout) is a real HTTP error status,
 never a ``200`` stream holding an error; only an error after the first token travels in-stream.
+
+A request with ``n`` > 1 is answered once every choice's done reply is in (not streamed), or
+streams every choice's chunks as they come and ends after the last choice's finish.
 """
 
 from __future__ import annotations
@@ -130,17 +133,31 @@ class Exchange:
     async def _complete(
         self, scope: Scope, send: Send, first: TimedReply, rest: AsyncGenerator[TimedReply, None]
     ) -> None:
+        """One response once every choice is done (stream=False sends no token replies;
+        tolerated anyway)."""
+        n, dones = self.request.n, dict[int, DoneReply]()
         reply = first.reply
-        while isinstance(reply, TokenReply):  # stream=False sends none; tolerate them anyway
-            reply = (await anext(rest)).reply
+        while True:
+            if isinstance(reply, ErrorReply):
+                self._terminal_seen = True
+                await send_error(send, from_error_reply(reply), self.request_id)
+                return
+            if isinstance(reply, DoneReply):
+                dones[reply.choice_index or 0] = reply
+                self.log.debug("choice done", finish_reason=reply.finish_reason,
+                               choice_index=reply.choice_index or 0, **reply.usage)  # fmt: skip
+                if len(dones) == n:
+                    break
+            try:
+                reply = (await anext(rest)).reply
+            except Exception as exc:  # lost broker, no reply in time: say why
+                self._terminal_seen = True
+                await send_error(send, self._error_for(exc), self.request_id)
+                return
         self._terminal_seen = True
-        if isinstance(reply, ErrorReply):
-            await send_error(send, from_error_reply(reply), self.request_id)
-            return
-        assert isinstance(reply, DoneReply)
-        await send_json(send, 200, self.fmt.completion(reply), self.request_id)
+        response = self.fmt.completion([dones[i] for i in range(n)])
+        await send_json(send, 200, response, self.request_id)
         self._observe_overhead(scope, first)
-        self.log.debug("request done", finish_reason=reply.finish_reason, **reply.usage)
 
     async def _stream(
         self, scope: Scope, send: Send, first: TimedReply, rest: AsyncGenerator[TimedReply, None]
@@ -148,23 +165,31 @@ class Exchange:
         headers = [(k.encode(), v.encode()) for k, v in SSE_HEADERS.items()]
         headers.append((b"x-request-id", self.request_id.encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        sent_text = ""
-        pending = [self.fmt.chunk(role=True)] if self.fmt.chat else []
+        n, fmt = self.request.n, self.fmt
+        sent = [""] * n  # each choice's text so far
+        dones: dict[int, DoneReply] = {}
+        pending = [fmt.chunk(role=True, index=i) for i in range(n)] if fmt.chat else []
         t: TimedReply | None = first
         while t is not None:
             reply = t.reply
             if isinstance(reply, TokenReply):
+                i = reply.choice_index or 0
                 if reply.text:
-                    pending.append(self.fmt.chunk(reply.text))
-                    sent_text += reply.text
+                    pending.append(fmt.chunk(reply.text, index=i))
+                    sent[i] += reply.text
             elif isinstance(reply, DoneReply):
-                self._terminal_seen = True
+                i = reply.choice_index or 0
+                dones[i] = reply
                 # The token deltas add up to the done text (detokenizer invariant); should a
                 # tail ever be missing, send it rather than lose it.
-                if len(reply.text) > len(sent_text) and reply.text.startswith(sent_text):
-                    pending.append(self.fmt.chunk(reply.text[len(sent_text) :]))
-                pending.append(self.fmt.finish(reply))
-                self.log.debug("request done", finish_reason=reply.finish_reason, **reply.usage)
+                if len(reply.text) > len(sent[i]) and reply.text.startswith(sent[i]):
+                    pending.append(fmt.chunk(reply.text[len(sent[i]) :], index=i))
+                pending.append(fmt.finish_choice(reply, i))
+                if len(dones) == n:
+                    self._terminal_seen = True
+                    pending.append(fmt.close([dones[k] for k in range(n)]))
+                self.log.debug("choice done", finish_reason=reply.finish_reason,
+                               choice_index=i, **reply.usage)  # fmt: skip
             else:
                 self._terminal_seen = True
                 pending.append(self.fmt.error(from_error_reply(reply)))

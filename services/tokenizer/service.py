@@ -145,6 +145,7 @@ class TokenizerService:
             owner=message.user_id,
             priority=req.priority,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            n=sampling.n,
         )
         work = PrefillMsg(
             request_id=req.request_id,

@@ -60,8 +60,10 @@ __all__ = [
 # 4: DetokMsg.marks (the detokenizer's stream high-water marks), StartInfo.owner and .priority;
 #    KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
 #    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
-# Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids) and
-# StartInfo.include_stop_str_in_output have defaults and are left out of a message at them, so
+# Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids, n),
+# StartInfo.include_stop_str_in_output and .n, and the choice fields of parallel sampling
+# (TokenEvent.choice_index, StreamMark.choice_index and .done, HandoffMsg.choice_index and
+# .choices, ControlMsg.choice_index) have defaults and are left out of a message at them, so
 # messages of requests that use none read alike on either side of an upgrade.
 SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
@@ -226,13 +228,40 @@ class HandoffMsg(_Internal):
     priority: int = 0
     arrival_time: float = 0.0
     deadline: float | None = None
+    # Parallel sampling (``sampling.n`` > 1). From prefill: ``choices`` holds [index, first
+    # token] of each choice still running (``output_token_ids`` is empty); decode forks the one
+    # prompt's KV into them. A choice swapped out of a decode worker travels alone:
+    # ``choice_index`` names it (None: the message is the whole request).
+    choice_index: int | None = None
+    choices: list[list[int]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        d = to_map(self)
+        if self.choice_index is None:  # the additions, left out at their defaults
+            del d["choice_index"]
+        if not self.choices:
+            del d["choices"]
+        d["v"] = SCHEMA_VERSION
+        d["kind"] = self.KIND
+        return pack(d)
 
     @classmethod
     def from_map(cls, d: dict[str, Any]) -> HandoffMsg:
         d["sampling"] = SamplingParams.from_dict(d["sampling"])
         if d.get("kv") is not None:
             d["kv"] = KVDescriptor.from_map(d["kv"])
-        return cls(**d)
+        msg = cls(**d)
+        n = msg.sampling.n if isinstance(msg.sampling, SamplingParams) else 1
+        indices = [c[0] for c in msg.choices if isinstance(c, list) and len(c) == 2]
+        if len(indices) != len(msg.choices) or not all(
+            type(i) is int and 0 <= i < n for i in indices
+        ):
+            raise ValueError(f"choices must be [index, token] pairs with an index below n={n}")
+        if msg.choice_index is not None and not (
+            type(msg.choice_index) is int and 0 <= msg.choice_index < n
+        ):
+            raise ValueError(f"choice_index {msg.choice_index!r} outside 0..{n - 1}")
+        return msg
 
 
 @dataclass
@@ -257,16 +286,20 @@ class StartInfo:
     # The stop string, or the text of the token that stopped it, stays in the text. Left out of
     # the message when false (to_dict), as the sampling additions are.
     include_stop_str_in_output: bool = False
+    n: int = 1  # choices (parallel sampling): one done reply each; left out at 1
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _START_FIELDS}
-        if self.include_stop_str_in_output:
-            d["include_stop_str_in_output"] = True
+        for name, default in _START_ADDITIONS.items():
+            value = getattr(self, name)
+            if value != default:
+                d[name] = value
         return d
 
 
+_START_ADDITIONS: dict[str, Any] = {"include_stop_str_in_output": False, "n": 1}
 _START_FIELDS = tuple(
-    name for name in StartInfo.__dataclass_fields__ if name != "include_stop_str_in_output"
+    name for name in StartInfo.__dataclass_fields__ if name not in _START_ADDITIONS
 )
 
 
@@ -281,16 +314,47 @@ class TokenEvent:
     error_code: str | None = None  # set on a terminal error (no done reply then)
     error_message: str | None = None
     scheduled_at: float | None = None  # wall clock when prefill started it (index-0 events)
+    choice_index: int = 0  # which choice of an n > 1 request; left out at 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "request_id": self.request_id,
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "error_code": self.error_code,
+            "error_message": self.error_message,
+            "scheduled_at": self.scheduled_at,
+        }
+        if self.choice_index:
+            d["choice_index"] = self.choice_index
+        return d
 
 
 @dataclass
 class StreamMark:
     """How far a request's stream was answered: the token replies committed so far end before
-    output position ``next_index`` and text offset ``text_offset`` (detokenizer/marks.py)."""
+    output position ``next_index`` and text offset ``text_offset`` (detokenizer/marks.py).
+    With n > 1, one mark per choice (``choice_index``); ``done``: that choice's done reply is
+    committed too (the others still run). Both left out at their defaults."""
 
     request_id: str
     next_index: int
     text_offset: int
+    choice_index: int = 0
+    done: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "next_index": self.next_index,
+            "text_offset": self.text_offset,
+        }
+        if self.choice_index:
+            d["choice_index"] = self.choice_index
+        if self.done:
+            d["done"] = True
+        return d
 
 
 @dataclass
@@ -338,23 +402,29 @@ CONTROL_TYPES = ("cancel", "abort", "drain")
 class ControlMsg:
     """On the fanout exchange ``baton.control``. ``cancel`` is the client's (contract);
     ``abort`` is internal (the detokenizer finished a request early, e.g. on a stop string, and
-    tells the workers to drop it silently); ``drain`` asks workers to stop taking new work."""
+    tells the workers to drop it silently; ``choice_index``: only that choice of an n > 1
+    request); ``drain`` asks workers to stop taking new work."""
 
     type: str
     request_id: str | None = None
+    choice_index: int | None = None
 
     def encode(self) -> bytes:
         d: dict[str, Any] = {"type": self.type}
         if self.request_id is not None:
             d["request_id"] = self.request_id
+        if self.choice_index is not None:
+            d["choice_index"] = self.choice_index
         return pack(d)
 
     @classmethod
     def decode(cls, body: bytes, max_bytes: int) -> ControlMsg:
         d = expect_map(unpack(body, max_bytes), "control message")
-        kind, rid = d.get("type"), d.get("request_id")
+        kind, rid, index = d.get("type"), d.get("request_id"), d.get("choice_index")
         if kind not in CONTROL_TYPES:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"unknown control type {kind!r}")
         if kind != "drain" and not isinstance(rid, str):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} needs a string request_id")
-        return cls(type=kind, request_id=rid if isinstance(rid, str) else None)
+        if index is not None and (kind != "abort" or type(index) is not int or index < 0):
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "choice_index: an abort's, an int >= 0")
+        return cls(type=kind, request_id=rid if isinstance(rid, str) else None, choice_index=index)

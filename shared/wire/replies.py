@@ -25,16 +25,23 @@ class TokenReply:
     index: int
     text_offset: int | None = None  # None: from a server that predates it
     type: str = "token"
+    # Which choice of a request with n > 1 the reply continues (absent for n = 1: choice 0).
+    choice_index: int | None = None
 
     def encode(self) -> bytes:
         d = to_map(self)
         if self.text_offset is None:  # absent, not nil
             del d["text_offset"]
+        if self.choice_index is None:
+            del d["choice_index"]
         return pack(d)
 
 
 @dataclass(frozen=True)
 class DoneReply:
+    """The end of one choice: the request's only one for n = 1; with n > 1 one per
+    ``choice_index`` (absent for n = 1)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -42,9 +49,13 @@ class DoneReply:
     usage: dict[str, int]
     timing: dict[str, float | None]
     type: str = "done"
+    choice_index: int | None = None
 
     def encode(self) -> bytes:
-        return pack(to_map(self))
+        d = to_map(self)
+        if self.choice_index is None:
+            del d["choice_index"]
+        return pack(d)
 
 
 @dataclass(frozen=True)

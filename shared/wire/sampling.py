@@ -33,6 +33,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (finish_reason "stop")
+    # Parallel sampling: n continuations of the one prompt, its KV computed once and shared
+    # (docs/engine.md); each choice samples with its index mixed into the seed.
+    n: int = 1
     # Whether the sampler reshapes this request's logits (penalties, min_tokens): not a field.
     processes_logits: ClassVar[bool]
 
@@ -81,4 +84,5 @@ _ADDITIONS: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "min_tokens": 0,
     "stop_token_ids": (),
+    "n": 1,
 }

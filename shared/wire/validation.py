@@ -119,6 +119,7 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
         # As vLLM: more than max_tokens could never be met.
         min_tokens=_int(d, "min_tokens", 0, 0, max_tokens),
         stop_token_ids=_parse_stop_token_ids(d.get("stop_token_ids")),
+        n=_int(d, "n", 1, 1, config.max_n),
     )
     timeout_s = d.get("timeout_s")
     if timeout_s is not None:
