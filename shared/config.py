@@ -145,6 +145,9 @@ class BatonConfig:
     # How many stop strings a request may give, and how long each may be (characters).
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    # The largest ``n`` a request may ask for: continuations sampled from its one prompt, each a
+    # sequence of its own in decode (they share the prompt's KV blocks).
+    max_n: int = 16
     # The tokenizer answers ``overloaded`` while baton.prefill holds this many requests.
     max_prefill_backlog: int = 10_000
     # --- paged KV cache -----------------------------------------------------------------------

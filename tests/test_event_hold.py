@@ -60,3 +60,14 @@ def test_merge_leaves_the_events_it_was_given_as_they_were() -> None:
     merged = merge([first, ev("a", 1, 11), ev("a", 2, 12)])
     assert merged == [ev("a", 0, 10, 11, 12)]
     assert first == ev("a", 0, 10)  # its token list was copied before the run grew
+
+
+def test_merge_keeps_the_choices_of_a_request_apart() -> None:
+    def choice(i: int, index: int, token: int) -> TokenEvent:
+        return TokenEvent("a", index, [token], choice_index=i)
+
+    events = [choice(0, 1, 10), choice(1, 1, 20), choice(0, 2, 11), choice(1, 2, 21)]
+    assert merge(events) == [
+        TokenEvent("a", 1, [10, 11], choice_index=0),
+        TokenEvent("a", 1, [20, 21], choice_index=1),
+    ]

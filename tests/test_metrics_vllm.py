@@ -126,7 +126,7 @@ def test_streamed_latencies_are_the_gateway_clock() -> None:
     """Tokens arriving together share their gap; a re-sent reply adds nothing; the gaps add up
     to first-to-last, so their mean is the request's time per output token."""
     m = GatewayMetrics(MODEL)
-    timeline = RequestLatencies(m, t0=100.0, max_tokens=8, n=1)
+    timeline = RequestLatencies(m, t0=100.0, params=(8, 1))
     for t in (_token(0, 2, 100.5), _token(2, 3, 100.8), _token(2, 3, 100.9),
               _done(5, 101.0, 1.0, ttft_s=9.0, tpot_s=9.0)):  # fmt: skip
         timeline.add(t)
@@ -145,7 +145,7 @@ def test_streamed_latencies_are_the_gateway_clock() -> None:
 
 def test_unstreamed_latencies_take_batons_timing() -> None:
     m = GatewayMetrics(MODEL)
-    timeline = RequestLatencies(m, t0=100.0, max_tokens=5, n=1)
+    timeline = RequestLatencies(m, t0=100.0, params=(5, 1))
     timeline.add(_done(5, 102.0, 1.9, ttft_s=0.4, tpot_s=0.05))  # published at 100.1
     assert _value(m, "baton:time_to_first_token_seconds_sum") == pytest.approx(0.5)
     assert _value(m, "baton:inter_token_latency_seconds_count") == 4

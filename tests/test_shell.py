@@ -272,14 +272,14 @@ async def test_drained_prefill_requeues_what_it_had_not_started() -> None:
     with service_processes(start=("tokenizer", "detokenizer")) as procs:
         prefill: Any = build("prefill", procs.config())
         entered, release = threading.Event(), threading.Event()
-        real = prefill.engine.runner.prefill
+        real = prefill.engine.runner.prefill_choices  # the prefill engine's forward
 
         def gated(*args: Any) -> Any:
             entered.set()
             release.wait(60)
             return real(*args)
 
-        prefill.engine.runner.prefill = gated
+        prefill.engine.runner.prefill_choices = gated
         await prefill.start()
         try:
             async with await BatonClient.connect(procs.amqp_url, default_wait_s=240) as client:

@@ -81,7 +81,7 @@ def test_explicit_nulls_mean_defaults() -> None:
 
 
 def test_unknown_keys_are_ignored() -> None:
-    assert parse(n=4, echo=True, model="gpt", extra={"a": [1]}) == parse()
+    assert parse(echo=True, model="gpt", extra={"a": [1]}) == parse()
 
 
 def test_ints_become_floats_for_float_fields() -> None:

@@ -13,7 +13,9 @@ the core applies the positions before the mark without streaming them (``core.py
 ``DetokenizerCore.resume``): the client sees each position once, in order.
 
 A terminal reply needs no mark: it commits together with the acks of its request's start and
-events, so a replay never meets that request again.
+events, so a replay never meets that request again. With ``n`` > 1 a choice's ``done`` reply
+commits while the request's inputs are still held (its other choices run): its mark says
+``done``, and the replay finishes that choice without answering it again.
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ from shared.wire.queues import MARK_PRIORITY, detok_queue_for
 
 def stream_marks(out: Output) -> list[StreamMark]:
     """The mark after each request's last token reply of this batch (none for a request that
-    finished in it)."""
-    finished = {info.request_id for info, _ in out.finished}
+    finished in it); an n > 1 request's are the core's, one per choice (``Output.marks``)."""
+    closed = set(out.closed)
     last: dict[str, StreamMark] = {}
     for _, reply in out.replies:
-        if isinstance(reply, TokenReply) and reply.request_id not in finished:
+        if (
+            isinstance(reply, TokenReply)
+            and reply.choice_index is None
+            and reply.request_id not in closed
+        ):
             offset = (reply.text_offset or 0) + len(reply.text)
             end = reply.index + len(reply.token_ids)
             last[reply.request_id] = StreamMark(reply.request_id, end, offset)
-    return list(last.values())
+    return [*last.values(), *out.marks]
 
 
 def mark_messages(marks: list[StreamMark], num_shards: int) -> list[Outgoing]:

@@ -210,7 +210,7 @@ class DetokenizerService:
             self.core.cancel(rid, now, out, sender)
         self.core.expire(now, out)
         self.core.flush(out, now)
-        if not (out.replies or out.aborts or out.finished or out.dropped):
+        if not (out.replies or out.aborts or out.choice_aborts or out.closed or out.dropped):
             if not (deliveries or unreadable):
                 return
         live = self.core.is_live
@@ -219,7 +219,7 @@ class DetokenizerService:
             acks += self.ledger.hold(
                 delivery, {r for r in ids if live(r)}, {r for r in marked if live(r)}
             )
-        for rid in [info.request_id for info, _ in out.finished] + out.dropped:
+        for rid in out.closed + out.dropped:
             acks += self.ledger.release(rid)
         outs = reply_messages(out.replies, out.batchable)
         outs += mark_messages(stream_marks(out), self.config.detok_shards)
@@ -255,21 +255,24 @@ class DetokenizerService:
         except Exception as exc:  # the channel is gone: everything unacked is replayed
             log.warning("replies not committed; replaying from the inputs", error=repr(exc))
             return
-        await self._abort(out.aborts)
+        await self._abort([(rid, None) for rid in out.aborts] + list(out.choice_aborts))
         self.shell.metrics.set_detok_held(len(self.ledger), self.core.num_active)
         for info, reply in out.finished:
             self.shell.metrics.on_request_finished(info, reply)
             self.shell.metrics.on_slo_judged(info.priority, self.goodput.met(reply))
+            index = getattr(reply, "choice_index", None)  # n > 1: one done per choice
             log.info(
                 "request finished",
                 request_id=info.request_id,
                 outcome=getattr(reply, "finish_reason", None) or getattr(reply, "code", None),
+                **({} if index is None else {"choice_index": index}),
             )
 
-    async def _abort(self, aborts: list[str]) -> None:
-        for rid in aborts:
+    async def _abort(self, aborts: list[tuple[str, int | None]]) -> None:
+        """Workers drop each request (index None), or that one choice of it."""
+        for rid, index in aborts:
             try:
-                await self.shell.publish_control(ControlMsg("abort", rid).encode())
+                await self.shell.publish_control(ControlMsg("abort", rid, index).encode())
             except Exception as exc:  # workers still stop at max_tokens or the deadline
                 log.warning("abort not sent", request_id=rid, error=str(exc))
 

@@ -1,15 +1,15 @@
 """OpenAI (and vLLM) request bodies → the arguments of one Baton request
 (``BatonClient.stream_timed``).
 
-Division of labour: this module checks what only the OpenAI dialect has (``n``, batched
+Division of labour: this module checks what only the OpenAI dialect has (``best_of``, batched
 prompts, content parts, ``stream_options``; ``logprobs`` and ``echo`` in logprobs.py) and the
 *types* of the fields it renames or needs itself, so a mistake names the field the client
 actually sent. Ranges and limits (``max_tokens`` ≤ the limit, ``top_p`` in (0, 1], penalties'
-ranges, ``logprobs`` ≤ 20, stop-string counts, prompt length, token ids inside the vocabulary)
-are left to the tokenizer service, the one authority on them; its ``invalid_request`` replies
-come back as 400s all the same. A field Baton does not implement is refused with a 400 naming
-it unless the client left it at its default (request_fields.py lists them; docs/gateway.md has
-the whole table).
+ranges, ``logprobs`` ≤ 20, stop-string counts, ``n`` ≤ ``BATON_MAX_N``, prompt length, token
+ids inside the vocabulary) are left to the tokenizer service, the one authority on them; its
+``invalid_request`` replies come back as 400s all the same. A field Baton does not implement is
+refused with a 400 naming it unless the client left it at its default (request_fields.py lists
+them; docs/gateway.md has the whole table).
 
 Defaults follow OpenAI, not Baton's contract, where the two differ: ``temperature`` 1.0 (or the
 model's ``generation_config.json`` values for ``temperature`` / ``top_p`` / ``top_k``, as in vLLM:
@@ -53,6 +53,11 @@ class BatonRequest:
     def timeout_s(self) -> float | None:
         value = self.baton.get("timeout_s")
         return float(value) if value is not None else None
+
+    @property
+    def n(self) -> int:
+        """Choices asked for: one done reply (and one OpenAI choice) each."""
+        return int(self.baton.get("n", 1))
 
 
 def parse_completion(
@@ -146,6 +151,9 @@ def _finish(
             baton[flag] = True
     options = parse_options(body, chat, stream)
     baton.update(baton_fields(options))
+    n = _opt(body, "n", int)
+    if n is not None and n != 1:  # its range is the tokenizer's (BATON_MAX_N)
+        baton["n"] = n
     baton["stop"] = _stop(body.get("stop"))
     stop_token_ids = token_ids_of(body.get("stop_token_ids"), "stop_token_ids")
     if stop_token_ids:
@@ -174,16 +182,13 @@ def check_model(body: dict[str, Any], config: BatonConfig) -> str:
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Fields that would change the answer's meaning are refused, never silently ignored."""
-    n = body.get("n")
-    if n is not None and n != 1:
+    n, best_of = body.get("n"), body.get("best_of")
+    if best_of is not None and best_of != (1 if n is None else n):
         raise invalid(
-            f"n must be 1, got {n!r}: this server returns one choice per request "
-            "(send n requests with different seeds for n samples)",
-            "n",
+            f"best_of must equal n (got best_of={_short(best_of)}, n={_short(n)}): this server "
+            "returns every choice it samples, it does not rank them",
+            "best_of",
         )
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise invalid(f"best_of is not supported (got {best_of!r}); leave it unset or 1", "best_of")
     for name, is_default in (CHAT_OFF if chat else COMPLETION_OFF).items():
         value = body.get(name)
         if value is not None and not is_default(value):

@@ -5,6 +5,9 @@ Streams follow OpenAI's chunk format: ``text_completion`` objects for /v1/comple
 the last content-bearing chunk is followed by one with ``finish_reason``, then, when
 ``stream_options.include_usage`` asked for it, a chunk with ``usage`` and empty ``choices``
 (every other chunk then carries ``"usage": null``, as OpenAI's do), then ``data: [DONE]``.
+With ``n`` > 1 every choice has its own chunks (``choices[0].index``: which), its own opening
+role chunk (chat) and finish chunk, in the order Baton's replies come; usage and ``[DONE]``
+follow the last choice's finish. Usage counts the prompt once and sums the choices' tokens.
 
 Logprobs and echo take OpenAI's and vLLM's shapes (logprobs.py); every choice carries vLLM's
 ``stop_reason`` (a stream's, its finish chunk).
@@ -39,9 +42,10 @@ def finish_reason(baton_reason: str) -> str:
     return FINISH_REASONS.get(baton_reason, baton_reason)
 
 
-def usage(done: DoneReply) -> dict[str, int]:
-    prompt = int(done.usage.get("prompt_tokens", 0))
-    completion = int(done.usage.get("completion_tokens", len(done.token_ids)))
+def usage(dones: list[DoneReply]) -> dict[str, int]:
+    """The prompt once, the completion tokens of every choice."""
+    prompt = int(dones[0].usage.get("prompt_tokens", 0))
+    completion = sum(int(d.usage.get("completion_tokens", len(d.token_ids))) for d in dones)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -73,10 +77,10 @@ class Formatter:
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
-        self.options = options = options or ResponseOptions()
+        self.options = options or ResponseOptions()
         self.echo_text = echo_text  # completions' echo: the prompt's text
         self.created = int(time.time())
-        self._stream_logprobs = LogprobsFormat(options)  # a stream's text_offset runs on
+        self._stream_logprobs: dict[int, LogprobsFormat] = {}  # by choice: its text_offset
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {
@@ -88,34 +92,37 @@ class Formatter:
         }
 
     # --- non-streaming ----------------------------------------------------------------------
-    def completion(self, done: DoneReply) -> dict[str, Any]:
-        reason = finish_reason(done.finish_reason)
-        opts, lp = self.options, LogprobsFormat(self.options)
+    def completion(self, dones: list[DoneReply]) -> dict[str, Any]:
+        """``dones``: each choice's done reply, in choice order (the prompt's logprobs, if
+        asked for, come with choice 0's)."""
+        out = self._envelope("chat.completion" if self.chat else "text_completion")
+        opts = self.options
         asked = opts.logprobs is not None
-        if self.chat:
-            out = self._envelope("chat.completion")
-            message = {"role": "assistant", "content": done.text}
-            logprobs = lp.chat(done.logprobs or []) if asked else None
-            choice = {"index": 0, "message": message, "logprobs": logprobs}
-            if opts.prompt_logprobs is not None:  # vLLM's place for chat: the response's
-                out["prompt_logprobs"] = lp.prompt(done.prompt_logprobs)
-        else:
-            out = self._envelope("text_completion")
-            text, entries = done.text, done.logprobs or []
-            if opts.echo:
-                prompt = done.prompt_logprobs or []
-                text = self.echo_text + ("" if opts.echo_only else text)
-                entries = prompt + ([] if opts.echo_only else entries)
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": lp.completion(entries) if asked else None,
-            }
-        choice.update(finish_reason=reason, stop_reason=done.stop_reason)
-        if opts.prompt_logprobs is not None and not self.chat:  # vLLM's: the choice's
-            choice["prompt_logprobs"] = lp.prompt(done.prompt_logprobs)
-        out["choices"] = [choice]
-        out["usage"] = usage(done)
+        prompt = dones[0].prompt_logprobs
+        choices = []
+        for index, done in enumerate(dones):
+            lp = LogprobsFormat(opts)
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": done.text}
+                choice["logprobs"] = lp.chat(done.logprobs or []) if asked else None
+            else:
+                text, entries = done.text, done.logprobs or []
+                if opts.echo:
+                    text = self.echo_text + ("" if opts.echo_only else text)
+                    entries = (prompt or []) + ([] if opts.echo_only else entries)
+                choice["text"] = text
+                choice["logprobs"] = lp.completion(entries) if asked else None
+            choice.update(
+                finish_reason=finish_reason(done.finish_reason), stop_reason=done.stop_reason
+            )
+            if opts.prompt_logprobs is not None and not self.chat:  # vLLM's: the choice's
+                choice["prompt_logprobs"] = LogprobsFormat(opts).prompt(prompt)
+            choices.append(choice)
+        if opts.prompt_logprobs is not None and self.chat:  # vLLM's place for chat: the response's
+            out["prompt_logprobs"] = LogprobsFormat(opts).prompt(prompt)
+        out["choices"] = choices
+        out["usage"] = usage(dones)
         return out
 
     # --- streaming --------------------------------------------------------------------------
@@ -126,12 +133,13 @@ class Formatter:
         role: bool = False,
         logprobs: list[list[Any]] | None = None,
         stop_reason: str | int | None = None,
+        index: int = 0,
     ) -> bytes:
-        """One SSE event: a text delta (with its tokens' ``logprobs`` entries, if the request
-        asked), the opening role (chat), or the finish (``reason``)."""
+        """One SSE event of choice ``index``: a text delta (with its tokens' ``logprobs``
+        entries, if the request asked), the opening role (chat), or the finish (``reason``)."""
         scores = None
         if logprobs is not None and self.options.logprobs is not None:
-            lp = self._stream_logprobs
+            lp = self._stream_logprobs.setdefault(index, LogprobsFormat(self.options))
             scores = lp.chat(logprobs) if self.chat else lp.completion(logprobs)
         if self.chat:
             out = self._envelope("chat.completion.chunk")
@@ -140,10 +148,15 @@ class Formatter:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": scores, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": scores, "finish_reason": reason}
         else:
             out = self._envelope("text_completion")
-            choice = {"index": 0, "text": text or "", "logprobs": scores, "finish_reason": reason}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": scores,
+                "finish_reason": reason,
+            }
         if reason is not None:
             choice["stop_reason"] = stop_reason
         out["choices"] = [choice]
@@ -152,13 +165,22 @@ class Formatter:
         return sse(out)
 
     def finish(self, done: DoneReply) -> bytes:
-        """The closing events: finish reason, usage (if asked for), ``[DONE]``."""
+        """The closing events of a one-choice stream: finish reason, usage (if asked for),
+        ``[DONE]``."""
+        return self.finish_choice(done) + self.close([done])
+
+    def finish_choice(self, done: DoneReply, index: int = 0) -> bytes:
+        """Choice ``index`` ends: its finish reason (and vLLM's ``stop_reason``)."""
         reason = finish_reason(done.finish_reason)
-        events = [self.chunk(reason=reason, stop_reason=done.stop_reason)]
+        return self.chunk(reason=reason, stop_reason=done.stop_reason, index=index)
+
+    def close(self, dones: list[DoneReply]) -> bytes:
+        """After every choice's finish: usage (if asked for), ``[DONE]``."""
+        events = []
         if self.include_usage:
             out = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
             out["choices"] = []
-            out["usage"] = usage(done)
+            out["usage"] = usage(dones)
             events.append(sse(out))
         events.append(DONE_EVENT)
         return b"".join(events)

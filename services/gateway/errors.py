@@ -27,7 +27,7 @@ _PARAMS = frozenset(
     ("prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k",
      "seed", "stop", "ignore_eos", "priority", "timeout_s", "min_p", "repetition_penalty",
      "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids",
-     "include_stop_str_in_output")
+     "include_stop_str_in_output", "n")
 )  # fmt: skip
 
 

@@ -12,6 +12,9 @@ leaves while its request is still queued and nothing has been written yet.
 Invariant: the status line is sent only once the first reply is in. An error Baton answers
 before any token (bad field, prompt too long, overloaded, timeout) is a real HTTP error status,
 never a ``200`` stream holding an error; only an error after the first token travels in-stream.
+
+A request with ``n`` > 1 is answered once every choice's done reply is in (not streamed), or
+streams every choice's chunks as they come and ends after the last choice's finish.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class Exchange:
             ),
             scope.get(SCOPE_T0),
             req.baton.get("max_tokens"),
+            req.n,
         )
         async with aclosing(replies):
             try:
@@ -141,17 +145,31 @@ class Exchange:
     async def _complete(
         self, scope: Scope, send: Send, first: TimedReply, rest: AsyncGenerator[TimedReply, None]
     ) -> None:
+        """One response once every choice is done (stream=False sends no token replies;
+        tolerated anyway)."""
+        n, dones = self.request.n, dict[int, DoneReply]()
         reply = first.reply
-        while isinstance(reply, TokenReply):  # stream=False sends none; tolerate them anyway
-            reply = (await anext(rest)).reply
+        while True:
+            if isinstance(reply, ErrorReply):
+                self._terminal_seen = True
+                await send_error(send, from_error_reply(reply), self.request_id)
+                return
+            if isinstance(reply, DoneReply):
+                dones[reply.choice_index or 0] = reply
+                self.log.debug("choice done", finish_reason=reply.finish_reason,
+                               choice_index=reply.choice_index or 0, **reply.usage)  # fmt: skip
+                if len(dones) == n:
+                    break
+            try:
+                reply = (await anext(rest)).reply
+            except Exception as exc:  # lost broker, no reply in time: say why
+                self._terminal_seen = True
+                await send_error(send, self._error_for(exc), self.request_id)
+                return
         self._terminal_seen = True
-        if isinstance(reply, ErrorReply):
-            await send_error(send, from_error_reply(reply), self.request_id)
-            return
-        assert isinstance(reply, DoneReply)
-        await send_json(send, 200, self.fmt.completion(reply), self.request_id)
+        response = self.fmt.completion([dones[i] for i in range(n)])
+        await send_json(send, 200, response, self.request_id)
         self._observe_overhead(scope, first)
-        self.log.debug("request done", finish_reason=reply.finish_reason, **reply.usage)
 
     async def _stream(
         self, scope: Scope, send: Send, first: TimedReply, rest: AsyncGenerator[TimedReply, None]
@@ -159,9 +177,12 @@ class Exchange:
         headers = [(k.encode(), v.encode()) for k, v in SSE_HEADERS.items()]
         headers.append((b"x-request-id", self.request_id.encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        sent_text, sent_tokens = "", 0
-        pending = [self.fmt.chunk(role=True)] if self.fmt.chat else []
-        options = self.fmt.options
+        n, fmt = self.request.n, self.fmt
+        sent = [""] * n  # each choice's text so far
+        sent_tokens = [0] * n  # and its tokens (whose logprobs went with them)
+        dones: dict[int, DoneReply] = {}
+        pending = [fmt.chunk(role=True, index=i) for i in range(n)] if fmt.chat else []
+        options = fmt.options
         echo = options.echo  # the prompt goes first, scored with the stream's first reply's
         t: TimedReply | None = first
         while t is not None:
@@ -170,22 +191,28 @@ class Exchange:
                 pending.append(self.fmt.chunk(self.fmt.echo_text, logprobs=reply.prompt_logprobs))
                 echo = False
             if isinstance(reply, TokenReply):
+                i = reply.choice_index or 0
                 if options.echo_only:
                     pass  # the one token generated is not part of the answer
                 elif reply.text or (reply.logprobs and options.logprobs is not None):
-                    pending.append(self.fmt.chunk(reply.text, logprobs=reply.logprobs))
-                    sent_text += reply.text
-                    sent_tokens += len(reply.token_ids)
+                    pending.append(fmt.chunk(reply.text, logprobs=reply.logprobs, index=i))
+                    sent[i] += reply.text
+                    sent_tokens[i] += len(reply.token_ids)
             elif isinstance(reply, DoneReply):
-                self._terminal_seen = True
+                i = reply.choice_index or 0
+                dones[i] = reply
                 # The token deltas add up to the done text (detokenizer invariant); should a
                 # tail ever be missing, send it rather than lose it.
-                tail = reply.text[len(sent_text) :] if reply.text.startswith(sent_text) else ""
-                unsent = reply.logprobs[sent_tokens:] if reply.logprobs else None
+                tail = reply.text[len(sent[i]) :] if reply.text.startswith(sent[i]) else ""
+                unsent = reply.logprobs[sent_tokens[i] :] if reply.logprobs else None
                 if not options.echo_only and (tail or unsent):
-                    pending.append(self.fmt.chunk(tail, logprobs=unsent))
-                pending.append(self.fmt.finish(reply))
-                self.log.debug("request done", finish_reason=reply.finish_reason, **reply.usage)
+                    pending.append(fmt.chunk(tail, logprobs=unsent, index=i))
+                pending.append(fmt.finish_choice(reply, i))
+                if len(dones) == n:
+                    self._terminal_seen = True
+                    pending.append(fmt.close([dones[k] for k in range(n)]))
+                self.log.debug("choice done", finish_reason=reply.finish_reason,
+                               choice_index=i, **reply.usage)  # fmt: skip
             else:
                 self._terminal_seen = True
                 pending.append(self.fmt.error(from_error_reply(reply)))

@@ -80,10 +80,17 @@ class GatewayMetrics(Metrics):
         """``replies`` (one request's, from ``BatonClient.stream_timed``) passed through as they
         come, each observed. ``t0``: ``perf_counter()`` at the HTTP arrival (None: from the
         publish). Closing this closes ``replies``, as closing them directly would."""
-        latencies = RequestLatencies(self, t0, max_tokens, n)
+        # One set of observations per choice (an n > 1 request's choices count as vLLM's child
+        # requests do: each its own TTFT, gaps and end).
+        latencies: dict[int, RequestLatencies] = {}
         async with aclosing(replies):
             async for t in replies:
-                latencies.add(t)
+                index = getattr(t.reply, "choice_index", None) or 0
+                if index not in latencies:
+                    # The request's parameters are observed once, with choice 0.
+                    params = (max_tokens, n) if index == 0 else None
+                    latencies[index] = RequestLatencies(self, t0, params)
+                latencies[index].add(t)
                 yield t
 
 
@@ -91,12 +98,13 @@ class RequestLatencies:
     """One request's latency observations, from its replies in the order they arrive."""
 
     def __init__(
-        self, metrics: GatewayMetrics, t0: float | None, max_tokens: int | None, n: int
+        self, metrics: GatewayMetrics, t0: float | None, params: tuple[int | None, int] | None
     ) -> None:
+        """``params``: the request's ``max_tokens`` and ``n``, to observe at its end (None: a
+        choice other than the first, which does not count the request again)."""
         self.metrics = metrics
         self.t0 = t0
-        self.max_tokens = max_tokens
-        self.n = n
+        self.params = params
         self.num_tokens = 0  # received so far
         self.first_at: float | None = None
         self.last_at = 0.0
@@ -145,6 +153,8 @@ class RequestLatencies:
         if n > 1:
             m.request_time_per_output_token.observe(tpot_s)
         m.e2e_request_latency.observe(t.received_at - self.t0)
-        if self.max_tokens is not None:
-            m.request_params_max_tokens.observe(self.max_tokens)
-        m.request_params_n.observe(self.n)
+        if self.params is not None:
+            max_tokens, n_choices = self.params
+            if max_tokens is not None:
+                m.request_params_max_tokens.observe(max_tokens)
+            m.request_params_n.observe(n_choices)

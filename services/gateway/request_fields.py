@@ -104,7 +104,7 @@ CHAT_OFF: dict[str, Check] = {
 }
 
 # Special cases checked in api_requests.py itself (their message says what is allowed).
-SPECIAL = ("n", "best_of", "response_format", "tool_choice", "stream_options")
+SPECIAL = ("best_of", "response_format", "tool_choice", "stream_options")
 
 # Accepted and ignored: none of them changes the tokens or the text of the answer.
 IGNORED = (
@@ -140,4 +140,5 @@ HONOURED = (
     "echo",
     "prompt_logprobs",
     "return_tokens_as_token_ids",
+    "n",
 )

@@ -102,8 +102,9 @@ class EngineService(ABC):
         self.prefetch = PrefetchWindow(self.shell.broker, self.shell.metrics, prefetch)
         self.load = EngineLoad()  # after the last step
         self.inbox: deque[Received] = deque()  # received, not yet handed to the engine
-        self.inflight: dict[str, Received] = {}  # handed to the engine; acked once retired
-        self._aborts: deque[str] = deque()
+        # Handed to the engine, by input key (NewRequest.input_key); acked once retired.
+        self.inflight: dict[str, Received] = {}
+        self._aborts: deque[tuple[str, int | None]] = deque()  # (request id, choice index)
         self._releases: deque[KVRelease] = deque()  # notices for KV this engine sent
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -142,6 +143,8 @@ class EngineService(ABC):
             arrival_time=msg.arrival_time,
             deadline=msg.deadline,
             kv=handoff.kv if handoff else None,
+            choices=[(c[0], c[1]) for c in handoff.choices] if handoff else [],
+            choice_index=handoff.choice_index if handoff else None,
         )
 
     def handoff_messages(
@@ -151,7 +154,7 @@ class EngineService(ABC):
         sequences (any decode worker resumes them); ``originals``: their inputs by id."""
         outs = []
         for h in handoffs:
-            msg = originals[h.request_id]
+            msg = originals[h.input_key or h.request_id]
             handoff = HandoffMsg(
                 request_id=h.request_id,
                 prompt_token_ids=msg.prompt_token_ids,
@@ -161,6 +164,8 @@ class EngineService(ABC):
                 priority=msg.priority,  # the client's; the AMQP priority is the effective one
                 arrival_time=msg.arrival_time,
                 deadline=msg.deadline,
+                choice_index=h.choice_index,
+                choices=[[index, token] for index, token in h.choices],
             )
             outs.append(Outgoing(DECODE_QUEUE, handoff.encode(), priority=h.priority))
             self.shell.metrics.on_published(DECODE_QUEUE, msg.priority, h.priority, "aging")
@@ -219,7 +224,8 @@ class EngineService(ABC):
         """A token id outside the vocabulary would fail the forward of everything batched with
         it: refused here, like any malformed message (the tokenizer refuses a client's)."""
         vocab = self.engine.info.vocab_size
-        for ids in (msg.prompt_token_ids, getattr(msg, "output_token_ids", ())):
+        firsts = [c[1] for c in getattr(msg, "choices", ())]  # n > 1: each choice's first token
+        for ids in (msg.prompt_token_ids, getattr(msg, "output_token_ids", ()), firsts):
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise ProtocolError(ErrorCode.INTERNAL, f"token id outside 0..{vocab - 1}")
 
@@ -236,7 +242,7 @@ class EngineService(ABC):
         # Only aborts (the shell let through only a trusted sender's): a client's cancel is the
         # detokenizer's to check against the request's owner; it then sends the abort.
         if ctl.type == "abort" and ctl.request_id is not None:
-            self._aborts.append(ctl.request_id)
+            self._aborts.append((ctl.request_id, ctl.choice_index))
             self._wake.set()
 
     async def _give_back_inbox(self) -> None:
@@ -371,24 +377,24 @@ class EngineService(ABC):
         while self._releases:
             self.engine.release(self._releases.popleft(), now)
         while self._aborts:
-            rid = self._aborts.popleft()
-            if self.engine.abort(rid):
-                aborted = self.inflight.pop(rid, None)
+            for key in self.engine.abort(*self._aborts.popleft()):
+                aborted = self.inflight.pop(key, None)
                 if aborted is not None:
                     self.shell.publish_then_ack([], [aborted.delivery], "abort")
 
     def _add(self, item: Received, now: float) -> None:
         rid = item.msg.request_id
         req = self.to_request(item.msg)
+        key = req.input_key
         result = self.engine.add(req, now)
         if result is AddResult.ADDED:
-            self.inflight[rid] = item
-        elif result is AddResult.DUPLICATE and rid in self.inflight:
+            self.inflight[key] = item
+        elif result is AddResult.DUPLICATE and key in self.inflight:
             # A second copy of a request running here (redelivered after a reconnect, or sent
             # twice upstream): keep the newest delivery unacked — the older one's channel may
             # be gone — and ack the other.
-            old = self.inflight[rid]
-            self.inflight[rid] = Received(old.msg, item.delivery)
+            old = self.inflight[key]
+            self.inflight[key] = Received(old.msg, item.delivery)
             self.shell.spawn(ack(old.delivery))
         elif result is AddResult.TOO_LONG:
             n = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -415,6 +421,7 @@ class EngineService(ABC):
                 t.token_ids,
                 t.finish_reason,
                 scheduled_at=t.scheduled_at,
+                choice_index=t.choice_index,
                 logprobs=t.logprobs,
                 prompt_logprobs=t.prompt_logprobs,
             )
@@ -428,7 +435,8 @@ class EngineService(ABC):
         events = self.events.offer(events, now, urgent)
         outs = self._detok(events, now)
         if out.handoffs:
-            originals = {h.request_id: self.inflight[h.request_id].msg for h in out.handoffs}
+            keys = {h.input_key or h.request_id for h in out.handoffs}
+            originals = {key: self.inflight[key].msg for key in keys}
             outs += self.handoff_messages(out.handoffs, originals)
         retired = [self.inflight.pop(rid).delivery for rid in out.retired if rid in self.inflight]
         if outs or retired:

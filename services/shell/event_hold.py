@@ -50,17 +50,19 @@ class EventHold:
 
 
 def merge(events: list[TokenEvent]) -> list[TokenEvent]:
-    """Consecutive positions of one request become one event (first position, all tokens, the
-    last event's ending); events that do not continue their request's previous one stay apart.
+    """Consecutive positions of one request (of one choice, n > 1) become one event (first
+    position, all tokens, the last event's ending); events that do not continue their request's
+    previous one stay apart.
     Requests keep the order of their first event. Linear: a run's tokens are gathered in one
     list and its event rebuilt once (not once per step held)."""
     heads: list[TokenEvent] = []  # each run's first event
     tails: list[TokenEvent] = []  # and its latest
     tokens: list[list[int]] = []  # every token of the run
     logprobs: list[list[Any] | None] = []  # and their logprobs, if the request asked
-    last: dict[str, int] = {}  # request id -> its latest run's place
+    last: dict[tuple[str, int], int] = {}  # (request id, choice) -> its latest run's place
     for ev in events:
-        i = last.get(ev.request_id)
+        key = (ev.request_id, ev.choice_index)
+        i = last.get(key)
         if i is not None and _continues(tails[i], heads[i].index + len(tokens[i]), ev):
             if tails[i] is heads[i]:  # first continuation: the head's own lists stay untouched
                 tokens[i] = list(tokens[i])
@@ -71,7 +73,7 @@ def merge(events: list[TokenEvent]) -> list[TokenEvent]:
                 logprobs[i].extend(ev.logprobs)  # type: ignore[union-attr]
             tails[i] = ev
             continue
-        last[ev.request_id] = len(heads)
+        last[key] = len(heads)
         heads.append(ev)
         tails.append(ev)
         tokens.append(ev.token_ids)  # copied only if the run grows

@@ -149,6 +149,7 @@ class TokenizerService:
             include_stop_str_in_output=req.include_stop_str_in_output,
             min_tokens=sampling.min_tokens,
             stop_token_ids=list(sampling.stop_token_ids),
+            n=sampling.n,
         )
         work = PrefillMsg(
             request_id=req.request_id,

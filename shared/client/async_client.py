@@ -18,6 +18,8 @@ Decisions:
 - Replies are at least once (a republished reply, a detokenizer replaying after a crash): token
   replies are cut to what is new by position and text offset (``dedup.py``), and a terminal
   reply after the first is dropped, so a caller sees each position once and one terminal reply.
+  With ``n`` > 1 the same holds per choice (``choice_index``): a stream ends after one ``done``
+  per choice, or at the request's ``error``.
 - Every wait is bounded (``wait_s``, else the client's ``default_wait_s``). A stream abandoned
   before its terminal reply (timeout, ``break``, task cancelled) publishes a best-effort cancel so
   the server stops generating for nobody.
@@ -128,6 +130,7 @@ class RequestOptions(TypedDict, total=False):
     include_stop_str_in_output: bool
     logprobs: int | None
     prompt_logprobs: int | None
+    n: int
     priority: int | None
     timeout_s: float | None
     request_id: str | None
@@ -202,8 +205,10 @@ class Completion:
 class _Pending:
     queue: asyncio.Queue[TimedReply | BaseException]
     sent_at: float = 0.0
-    stream: StreamDeduplicator = field(default_factory=StreamDeduplicator)
-    answered: bool = False  # a terminal reply arrived; any later one is a duplicate
+    n: int = 1  # choices: a done reply each
+    streams: dict[int, StreamDeduplicator] = field(default_factory=dict)  # by choice
+    done: set[int] = field(default_factory=set)  # choices whose done reply arrived
+    answered: bool = False  # every done reply (or the error) arrived; later ones are duplicates
 
 
 class BatonClient:
@@ -312,6 +317,7 @@ class BatonClient:
         include_stop_str_in_output: bool = False,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        n: int = 1,
         priority: int | None = None,
         timeout_s: float | None = None,
         request_id: str | None = None,
@@ -319,7 +325,9 @@ class BatonClient:
         wait_s: float | None = None,
     ) -> AsyncGenerator[TimedReply, None]:
         """Token replies, then exactly one terminal (done/error) reply, each with its timing.
-        The sampling arguments are the contract's request fields (docs/contract.md).
+        The sampling arguments are the contract's request fields (docs/contract.md). With
+        ``n`` > 1: each choice's token replies and one done reply per choice (``choice_index``),
+        in the order they come; an error reply ends them all.
 
         Raises ``asyncio.TimeoutError`` if the terminal reply has not arrived within ``wait_s``."""
         chat = None if messages is None else tuple((m["role"], m["content"]) for m in messages)
@@ -340,6 +348,7 @@ class BatonClient:
                 stop_token_ids=tuple(stop_token_ids or ()),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                n=n,
             ),
             prompt=prompt,
             messages=chat,
@@ -353,7 +362,7 @@ class BatonClient:
             batch_replies=True,
             include_stop_str_in_output=include_stop_str_in_output,
         )
-        pending = await self._send(msg.encode(), msg.request_id, True, priority)
+        pending = await self._send(msg.encode(), msg.request_id, True, priority, n)
         async with aclosing(self._replies(msg.request_id, pending, wait_s)) as replies:
             async for t in replies:
                 yield t
@@ -370,7 +379,9 @@ class BatonClient:
         self, prompt: str | None = None, **kwargs: Unpack[RequestOptions]
     ) -> Terminal:
         """The terminal reply only (``stream=False`` unless given). An error reply is returned,
-        not raised: inspect ``.type`` / use :class:`Completion`."""
+        not raised: inspect ``.type`` / use :class:`Completion`. One choice (``n`` > 1:
+        :meth:`generate_choices`)."""
+        _one_choice(kwargs)
         kwargs.setdefault("stream", False)
         async with aclosing(self.stream_timed(prompt, **kwargs)) as replies:
             async for t in replies:
@@ -378,10 +389,28 @@ class BatonClient:
                     return t.reply
         raise AssertionError("unreachable: the reply iterator ends on a terminal reply")
 
+    async def generate_choices(
+        self, prompt: str | None = None, **kwargs: Unpack[RequestOptions]
+    ) -> list[Terminal]:
+        """The done reply of each of the request's ``n`` choices, by ``choice_index``
+        (``stream=False`` unless given); ``[error]`` if the request failed."""
+        kwargs.setdefault("stream", False)
+        n = kwargs.get("n", 1)
+        dones: dict[int, Terminal] = {}
+        async with aclosing(self.stream_timed(prompt, **kwargs)) as replies:
+            async for t in replies:
+                if isinstance(t.reply, ErrorReply):
+                    return [t.reply]
+                if isinstance(t.reply, DoneReply):
+                    dones[t.reply.choice_index or 0] = t.reply
+        return [dones[i] for i in range(n)]
+
     async def complete(
         self, prompt: str | None = None, **kwargs: Unpack[RequestOptions]
     ) -> Completion:
-        """Stream a request and fold it into a :class:`Completion` (client-side TTFT/ITL/TPOT)."""
+        """Stream a request and fold it into a :class:`Completion` (client-side TTFT/ITL/TPOT).
+        One choice."""
+        _one_choice(kwargs)
         completion: Completion | None = None
         async for t in self.stream_timed(prompt, **kwargs):
             if completion is None:
@@ -427,11 +456,11 @@ class BatonClient:
     # --- internals --------------------------------------------------------------------------
 
     async def _send(
-        self, body: bytes, request_id: str, reply_to: bool, priority: int | None
+        self, body: bytes, request_id: str, reply_to: bool, priority: int | None, n: int = 1
     ) -> _Pending:
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this client")
-        pending = _Pending(asyncio.Queue())
+        pending = _Pending(asyncio.Queue(), n=n)
         self._pending[request_id] = pending  # before publishing: a reply can beat the confirm
         message = aio_pika.Message(
             body,
@@ -465,6 +494,7 @@ class BatonClient:
         budget = self.default_wait_s if wait_s is None else wait_s
         deadline = loop.time() + budget
         finished = False
+        num_done = 0
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -479,7 +509,8 @@ class BatonClient:
                 if isinstance(item, BaseException):
                     finished = True  # the connection is gone; a cancel could not be sent
                     raise item
-                finished = not isinstance(item.reply, TokenReply)
+                num_done += isinstance(item.reply, DoneReply)
+                finished = isinstance(item.reply, ErrorReply) or num_done >= pending.n
                 yield item
                 if finished:
                     return
@@ -527,11 +558,23 @@ class BatonClient:
         if pending.answered:
             log.debug("duplicate reply after the terminal one dropped", request_id=rid)
             return
+        index = 0 if isinstance(reply, ErrorReply) else reply.choice_index or 0
         if isinstance(reply, TokenReply):
-            fresh = pending.stream.accept(reply)  # a replayed stream: keep only what is new
+            if index in pending.done:
+                return
+            stream = pending.streams.get(index)
+            if stream is None:
+                stream = pending.streams[index] = StreamDeduplicator()
+            fresh = stream.accept(reply)  # a replayed stream: keep only what is new
             if fresh is None:
                 return
             reply = fresh
+        elif isinstance(reply, DoneReply):
+            if index in pending.done:
+                log.debug("duplicate done reply dropped", request_id=rid, choice_index=index)
+                return
+            pending.done.add(index)
+            pending.answered = len(pending.done) >= pending.n
         else:
             pending.answered = True
         pending.queue.put_nowait(TimedReply(reply, received_at, received_at - pending.sent_at))
@@ -571,6 +614,11 @@ class BatonClient:
         lost = BatonConnectionLost(f"broker connection lost for {RECONNECT_GRACE_S}s: {exc}")
         for pending in self._pending.values():
             pending.queue.put_nowait(lost)
+
+
+def _one_choice(kwargs: RequestOptions) -> None:
+    if kwargs.get("n", 1) != 1:
+        raise ValueError("n > 1 has one done reply per choice: use generate_choices or stream")
 
 
 def _safe(urls: str) -> str:

@@ -13,6 +13,15 @@ room (this one included), which loads the KV and goes on with no recompute. If t
 full, the victim stays here and recomputes (``recompute`` mode always does). The resuming worker
 loads swapped-out KV on a background thread while its current step runs (prefetch on resume,
 ``kv_prefetch.py``); the sequence joins the batch at the next step.
+
+Parallel sampling (``n`` > 1): prefill's handoff brings the prompt's KV once, with each choice's
+first token. Its first choice is admitted and loaded (or recomputes) as any request; once the
+prompt's KV is in, it is forked into the other choices (``_fork``: vLLM v0's fork of a
+SequenceGroup, one sequence per choice): the prompt's full blocks are shared (ref counts), and
+each choice gets its own copy of the block holding its next position (copy-on-write,
+``BlockManager.fork``). The handoff's input is retired when its last choice is done or has left
+(shared/engine/inputs.py); an abort of the request drops every choice, one of a choice (a stop
+string) that choice alone.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from typing import cast
 import structlog
 
 from shared.engine.engine import EngineCore
+from shared.engine.inputs import choice_key
 from shared.engine.kv_prefetch import KVPrefetch
 from shared.engine.outputs import AddResult, KVTransferStat, NewRequest, StepOutput, TokenOutput
 from shared.kv_transfer.connector import KVConnector, KVLoad
@@ -50,6 +60,9 @@ class DecodeEngine(EngineCore):
         # threads write them); the scheduler leaves these sequences alone meanwhile.
         self._pulls: dict[str, tuple[LayerwiseLoad, KVDescriptor]] = {}
         self._releases: list[KVRelease] = []  # produced outside a step, sent with the next
+        # n > 1: a first choice's key -> (index, first token) of the choices to fork it into
+        # once the prompt's KV is in.
+        self._forks: dict[str, list[tuple[int, int]]] = {}
         c = self.config
         # Swapped-out KV loaded while a step runs (kv_prefetch.py); None: in the admitting step.
         self.prefetch = KVPrefetch() if c.decode_kv_prefetch and self.spill is not None else None
@@ -72,7 +85,7 @@ class DecodeEngine(EngineCore):
         # prefill died before acking) would stay pinned or spilled until lease/orphan timeout.
         if req.kv is not None and (
             result in (AddResult.STALE, AddResult.TOO_LONG)
-            or (result is AddResult.DUPLICATE and self._kv.get(req.request_id) != req.kv)
+            or (result is AddResult.DUPLICATE and self._kv.get(req.sequence_key) != req.kv)
         ):
             self._discard(req.kv)
         return result
@@ -82,26 +95,39 @@ class DecodeEngine(EngineCore):
             self.prefetch.close()
         super().close()
 
+    def abort(self, request_id: str, choice_index: int | None = None) -> list[str]:
+        key = choice_key(request_id, choice_index or 0)
+        if choice_index is not None and key in self._forks:
+            # Its choice is over, but its prompt's KV is still to be forked into the others:
+            # it is dropped at the fork (``_fork``).
+            self._aborted.add(key)
+            return []
+        return super().abort(request_id, choice_index)
+
     def _admit(self, seq: Sequence, req: NewRequest) -> None:
         if req.kv is not None:
             self._kv[seq.request_id] = req.kv
+        if len(req.choices) > 1:
+            self._forks[seq.request_id] = req.choices[1:]
         self.scheduler.add(seq)
 
-    def _drop(self, request_id: str) -> None:
-        desc = self.prefetch.cancel(request_id) if self.prefetch is not None else None
+    def _drop(self, key: str) -> str | None:
+        desc = self.prefetch.cancel(key) if self.prefetch is not None else None
         if desc is not None:  # its load has ended: the blocks may be freed
-            self.scheduler.loading.discard(request_id)
+            self.scheduler.loading.discard(key)
             self._discard(desc)
-        pull = self._pulls.pop(request_id, None)
+        pull = self._pulls.pop(key, None)
         if pull is not None:  # stop writing into its blocks before they are freed
             pull[0].cancel()
-            self.scheduler.loading.discard(request_id)
+            self.scheduler.loading.discard(key)
             if pull[0].result.release is not None:
                 self._releases.append(pull[0].result.release)
-        super()._drop(request_id)
-        desc = self._kv.pop(request_id, None)
+        self._forks.pop(key, None)
+        ended = super()._drop(key)
+        desc = self._kv.pop(key, None)
         if desc is not None:
             self._discard(desc)
+        return ended
 
     def _receiver(self, desc: KVDescriptor) -> KVConnector:
         """The connector that reads ``desc``: swapped-out KV sits in the spill store, whatever
@@ -127,10 +153,57 @@ class DecodeEngine(EngineCore):
         return True
 
     def _hand_on_swapped(self, now: float, out: StepOutput) -> None:
-        for rid, desc in self._swapped.items():
-            self._hand_off(self.requests[rid], desc, now, out)
-            self._retire(rid, out)
+        for key, desc in self._swapped.items():
+            seq = self.requests[key]
+            forks = self._forks.pop(key, None)  # not forked yet: it goes with every choice
+            choices = [(seq.choice_index, seq.output_token_ids[0]), *forks] if forks else None
+            self._hand_off(seq, desc, now, out, choices)
+            self._retire(key, out)
         self._swapped.clear()
+
+    # --- parallel sampling: the fork ------------------------------------------------------------
+    def _fork_ready(self, out: StepOutput) -> None:
+        """Fork each first choice whose prompt KV is in (loaded or recomputed) into the others,
+        before the step schedules it: its own next token goes to a block of its own after."""
+        if not self._forks:
+            return
+        loading = self.scheduler.loading
+        for key in list(self._forks):
+            seq = self.requests[key]
+            if key in self.scheduler.running and key not in loading:
+                if seq.num_computed_tokens >= seq.num_tokens - 1:
+                    self._fork(seq, self._forks.pop(key), out)
+
+    def _fork(self, parent: Sequence, choices: list[tuple[int, int]], out: StepOutput) -> None:
+        """One sequence per choice, each the prompt and its own first token, on the parent's
+        blocks (the scheduler queues one it has no room for, to recompute)."""
+        rid = parent.parent_request_id
+        input_key = self.inputs.input_of(parent.request_id)
+        copies: list[tuple[int, int]] = []
+        for index, token in choices:
+            key = choice_key(rid, index)
+            if key in self._aborted:  # finished already (a stop string in its first token)
+                continue
+            child = Sequence(
+                key,
+                [*parent.prompt_token_ids, token],
+                parent.sampling,
+                priority=parent.priority,
+                num_prompt_tokens=parent.num_prompt_tokens,
+                arrival_time=parent.arrival_time,
+                block_size=self.block_manager.block_size,
+                parent_request_id=rid,
+                choice_index=index,
+            )
+            child.started_at = parent.started_at
+            self.requests[key] = child
+            self.inputs.join(key, input_key)
+            copies += self.scheduler.fork(parent, child)
+        self.runner.copy_blocks(copies)
+        if parent.request_id in self._aborted:  # its own choice ended before the fork
+            ended = self._drop(parent.request_id)
+            if ended is not None:
+                out.retired.append(ended)
 
     def _discard(self, desc: KVDescriptor) -> None:
         # Runs inside abort/add/expiry: a descriptor this connector cannot read (another
@@ -153,6 +226,7 @@ class DecodeEngine(EngineCore):
             self._load(seq, out)
         self._land_pulls(out)
         self._land_prefetches(out)
+        self._fork_ready(out)
         sched = self.scheduler.schedule()
         self._hand_on_swapped(now, out)  # victims of admit() and schedule()
         if not sched:
@@ -173,18 +247,19 @@ class DecodeEngine(EngineCore):
         reasons = {f.seq.request_id: f.reason for f in self.scheduler.update(sched, tokens)}
         for seq, token in zip(sched.decode, tokens, strict=True):
             rid = seq.request_id
-            entry = logprobs.sampled.get(rid) if logprobs is not None else None
+            entry = logprobs.sampled.get((rid, seq.choice_index)) if logprobs else None
             out.tokens.append(
                 TokenOutput(
-                    rid,
+                    seq.parent_request_id,
                     seq.num_output_tokens - 1,
                     [token],
                     reasons.get(rid),
+                    choice_index=seq.choice_index,
                     logprobs=None if entry is None else [entry],
                 )
             )
-        for rid in reasons:
-            self._retire(rid, out)
+        for key in reasons:
+            self._retire(key, out)
         out.stats = self._stats(
             len(seqs),
             sched.recompute.num_tokens + len(sched.decode),
@@ -334,8 +409,9 @@ class DecodeEngine(EngineCore):
                 out.releases.append(pull.result.release)
             seq = self.requests[rid]
             if pull.state in (FINISHED, FAILED):  # prefill answered it (last token or error)
-                self._drop(rid)
-                self._retire(rid, out)
+                ended = self._drop(rid)
+                if ended is not None:
+                    out.retired.append(ended)
             elif pull.result.loaded:
                 self.block_manager.release_before(seq, desc.first_block)
                 seq.num_computed_tokens = max(seq.num_computed_tokens, desc.num_tokens)

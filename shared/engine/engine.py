@@ -21,6 +21,7 @@ import torch
 
 from shared.config import BatonConfig
 from shared.engine.expiring import ExpiringIdSet
+from shared.engine.inputs import InputTable, choice_key
 from shared.engine.outputs import (
     AddResult,
     EngineInfo,
@@ -82,8 +83,9 @@ class EngineCore(ABC):
         # The waiting queue's order (effective priority: aging; prefill also boosts short
         # prompts while its backlog is deep), and the priority each handoff leaves with.
         self.priorities = Prioritizer(config, short_boost=self.kind == "prefill")
-        self.requests: dict[str, Sequence] = {}  # every request this engine owns, by id
-        self._deadlines: dict[str, float] = {}
+        self.requests: dict[str, Sequence] = {}  # every sequence this engine owns, by its key
+        self.inputs = InputTable()  # the inputs they came in (shared/engine/inputs.py)
+        self._deadlines: dict[str, float] = {}  # by input
         self._aborted = ExpiringIdSet()
         self._reclaim_interval_s = max(1.0, config.spill_orphan_timeout_s / 4)
         self._last_reclaim = time.time()
@@ -108,37 +110,52 @@ class EngineCore(ABC):
     # --- verbs ----------------------------------------------------------------------------------
     def add(self, req: NewRequest, now: float | None = None) -> AddResult:
         now = time.time() if now is None else now
-        rid = req.request_id
-        if rid in self.requests:
+        rid, key = req.request_id, req.input_key
+        if key in self.inputs:
             return AddResult.DUPLICATE
-        if rid in self._aborted or (req.deadline is not None and now >= req.deadline):
+        if (
+            rid in self._aborted
+            or key in self._aborted
+            or (req.deadline is not None and now >= req.deadline)
+        ):
             return AddResult.STALE
-        num_prompt = len(req.prompt_token_ids)
-        if not self.limits.fits(num_prompt + len(req.output_token_ids)):
+        token_ids = req.token_ids
+        if not self.limits.fits(len(token_ids)):
             return AddResult.TOO_LONG
         seq = Sequence(  # max_tokens as the tokenizer clamped it; ``stop`` holds our own bound
-            rid,
-            req.prompt_token_ids + req.output_token_ids,
+            req.sequence_key,
+            token_ids,
             req.sampling,
             priority=req.priority,
-            num_prompt_tokens=num_prompt,
+            num_prompt_tokens=len(req.prompt_token_ids),
             arrival_time=req.arrival_time,
             block_size=self.block_manager.block_size,
+            parent_request_id=rid,
+            choice_index=req.first_choice,
         )
-        self.requests[rid] = seq
+        self.requests[seq.request_id] = seq
+        self.inputs.add(key, rid, seq.request_id)
         if req.deadline is not None:
-            self._deadlines[rid] = req.deadline
+            self._deadlines[key] = req.deadline
         self._admit(seq, req)
         return AddResult.ADDED
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is (cancel, or the detokenizer finished it early); later
-        copies of it are refused. True if it was here: the shell may ack its input now."""
-        self._aborted.add(request_id)
-        if request_id not in self.requests:
-            return False
-        self._drop(request_id)
-        return True
+    def abort(self, request_id: str, choice_index: int | None = None) -> list[str]:
+        """Drop a request wherever it is (cancel, or the detokenizer finished it early), or only
+        its choice ``choice_index`` (n > 1: the detokenizer finished that one); later copies of
+        it are refused. Returns the inputs that are over with it: the shell may ack them now."""
+        if choice_index is None:
+            self._aborted.add(request_id)
+            inputs = self.inputs.of_request(request_id)
+            for key in inputs:
+                self._drop_input(key)
+            return inputs
+        key = choice_key(request_id, choice_index)
+        self._aborted.add(key)
+        if key not in self.requests:
+            return []
+        ended = self._drop(key)
+        return [] if ended is None else [ended]
 
     def observe_backlog(self, prefill_backlog: int | None) -> None:
         """The prefill queue's depth as last polled (the short-prompt boost follows it)."""
@@ -213,11 +230,25 @@ class EngineCore(ABC):
     def _admit(self, seq: Sequence, req: NewRequest) -> None:
         """Queue a new sequence with the scheduler (and keep what else the request carries)."""
 
-    def _drop(self, request_id: str) -> None:
-        """Forget a request and free whatever it holds."""
-        self.scheduler.abort(request_id)
-        del self.requests[request_id]
-        self._deadlines.pop(request_id, None)
+    def _drop(self, key: str) -> str | None:
+        """Forget a sequence and free whatever it holds. Returns its input if that has no
+        sequence left here (it is over)."""
+        self.scheduler.abort(key)
+        del self.requests[key]
+        return self._leave(key)
+
+    def _leave(self, key: str) -> str | None:
+        """The sequence ``key`` is gone from here; its input if that is over now."""
+        ended = self.inputs.leave(key)
+        if ended is not None:
+            self._deadlines.pop(ended, None)
+        return ended
+
+    def _drop_input(self, input_key: str) -> None:
+        """Drop every sequence of an input (all choices of a request forked here)."""
+        for key in self.inputs.sequences(input_key):
+            self._drop(key)
+        self._deadlines.pop(input_key, None)
 
     def _started(self, seqs: list[Sequence], now: float) -> None:
         """These sequences were just scheduled: the first time, their wait ends (aging's median)."""
@@ -237,16 +268,29 @@ class EngineCore(ABC):
         return tier.device_ids(block_ids, read=read, write=write)
 
     def _hand_off(
-        self, seq: Sequence, kv: KVDescriptor | None, now: float, out: StepOutput
+        self,
+        seq: Sequence,
+        kv: KVDescriptor | None,
+        now: float,
+        out: StepOutput,
+        choices: list[tuple[int, int]] | None = None,
     ) -> None:
         """The request goes on to ``baton.decode`` (prefill's finished prompt, decode's swapped-out
         sequence) with its tokens so far and where its KV waits (None: recompute). Its AMQP
         priority: the effective one now, aging included; the short-prompt boost stays at prefill
-        (it answers prefill's backlog, not decode's)."""
+        (it answers prefill's backlog, not decode's). n > 1: ``choices``, the choices its KV is
+        still to be forked into; else the sequence is one choice, and travels alone."""
         priority = self.priorities.wire_priority(
             seq.priority, seq.arrival_time, seq.num_prompt_tokens, now, boost=False
         )
-        out.handoffs.append(Handoff(seq.request_id, seq.output_token_ids, kv, priority))
+        rid, input_key = seq.parent_request_id, self.inputs.input_of(seq.request_id)
+        if choices:
+            handoff = Handoff(rid, [], kv, priority, choices=choices, input_key=input_key)
+        else:
+            alone = seq.choice_index if seq.sampling.n > 1 else None
+            output = seq.output_token_ids
+            handoff = Handoff(rid, output, kv, priority, choice_index=alone, input_key=input_key)
+        out.handoffs.append(handoff)
 
     def _reclaim_orphans(self, now: float) -> None:
         """Every engine sweeps what no receiver will take (spill entries nobody loaded, dead
@@ -283,17 +327,19 @@ class EngineCore(ABC):
             desc, first_block=first, fp_first_block=seq.fp_first_block, fp_slots=len(slots)
         )
 
-    def _retire(self, request_id: str, out: StepOutput) -> None:
-        """The request is done here; its blocks are already freed or handed to the connector."""
-        self.requests.pop(request_id, None)
-        self._deadlines.pop(request_id, None)
-        out.retired.append(request_id)
+    def _retire(self, key: str, out: StepOutput) -> None:
+        """The sequence is done here; its blocks are already freed or handed to the connector.
+        Its input is retired with its last sequence."""
+        self.requests.pop(key, None)
+        ended = self._leave(key)
+        if ended is not None:
+            out.retired.append(ended)
 
     def _expire(self, now: float, out: StepOutput) -> None:
         """Requests past their deadline stop here silently: the detokenizer answers ``timeout``."""
-        for rid in [r for r, d in self._deadlines.items() if now >= d]:
-            self._drop(rid)
-            out.retired.append(rid)
+        for input_key in [k for k, d in self._deadlines.items() if now >= d]:
+            self._drop_input(input_key)
+            out.retired.append(input_key)
 
     def _forward(
         self, seqs: list[Sequence], out: StepOutput, run: Callable[[list[int]], list[T]]
@@ -317,12 +363,15 @@ class EngineCore(ABC):
         for row, cause in failed:
             seq = seqs[row]
             reason = f"{self.kind} failed: {type(cause).__name__}"
-            log.error("the request fails its forward alone", request_id=seq.request_id)
-            if seq.request_id in self.requests:
-                self._drop(seq.request_id)
-                out.errors.append(RequestError(seq.request_id, ErrorCode.INTERNAL, reason))
-                out.retired.append(seq.request_id)
-        return results
+            rid = seq.parent_request_id
+            log.error("the request fails its forward alone", request_id=rid)
+            if seq.request_id in self.requests:  # the whole request fails: all its choices
+                input_key = self.inputs.input_of(seq.request_id)
+                self._drop_input(input_key)
+                out.errors.append(RequestError(rid, ErrorCode.INTERNAL, reason))
+                out.retired.append(input_key)
+        # The failed requests' other choices ran, but are gone with them.
+        return {r: v for r, v in results.items() if seqs[r].request_id in self.requests}
 
     def _stats(
         self,

@@ -30,8 +30,10 @@ class PrefillStreams:
 
     @staticmethod
     def wanted(seq: Sequence) -> bool:
-        """Announce a prompt at its first chunk, unless its first token surely ends it."""
-        return seq.num_computed_tokens == seq.num_cached_tokens and seq.sampling.max_tokens > 1
+        """Announce a prompt at its first chunk, unless its first token surely ends it. Not one
+        with several choices (n > 1): the progress record carries one first token."""
+        p = seq.sampling
+        return seq.num_computed_tokens == seq.num_cached_tokens and p.max_tokens > 1 and p.n == 1
 
     def add(self, request_id: str) -> None:
         self.announced.add(request_id)

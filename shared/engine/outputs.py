@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shared.engine.inputs import choice_key
 from shared.engine.load import EngineLoad
 from shared.kv_transfer.connector import KVConnectorStats
 from shared.runtime.logprobs import Entry
@@ -41,6 +42,39 @@ class NewRequest:
     arrival_time: float = 0.0  # wall clock
     deadline: float | None = None  # wall clock; None = no deadline
     kv: KVDescriptor | None = None  # decode: where the prompt's KV waits; None = recompute
+    # Parallel sampling (``sampling.n`` > 1), decode. ``choices``: (index, first token) of each
+    # choice to fork the prompt's KV into (prefill's handoff; ``output_token_ids`` is empty).
+    # ``choice_index``: this is that one choice alone (it was swapped out of a decode worker).
+    choices: list[tuple[int, int]] = field(default_factory=list)
+    choice_index: int | None = None
+
+    @property
+    def input_key(self) -> str:
+        """The name its shell holds it under (shared/engine/inputs.py)."""
+        if self.choice_index is None:
+            return self.request_id
+        return choice_key(self.request_id, self.choice_index)
+
+    @property
+    def first_choice(self) -> int:
+        """The choice its first sequence is (0 for a request with n = 1)."""
+        if self.choices:
+            return self.choices[0][0]
+        return self.choice_index or 0
+
+    @property
+    def sequence_key(self) -> str:
+        """Its first sequence's name: a choice's key when it is (or forks into) choices."""
+        if self.choices or self.choice_index is not None:
+            return choice_key(self.request_id, self.first_choice)
+        return self.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Its first sequence's tokens: the prompt and the output so far (that choice's)."""
+        if self.choices:
+            return self.prompt_token_ids + [self.choices[0][1]]
+        return self.prompt_token_ids + self.output_token_ids
 
 
 class AddResult(enum.Enum):
@@ -57,8 +91,9 @@ class TokenOutput:
     request_id: str
     index: int
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" when this ends the request
+    finish_reason: str | None = None  # "stop" | "length" when this ends the request (choice)
     scheduled_at: float | None = None  # prefill: wall clock when its batch started
+    choice_index: int = 0  # which choice of an n > 1 request
     # Asked for by the request (shared/runtime/logprobs.py's entries): one per token, and
     # prefill's one per prompt token (the first unscored: logprob and rank None).
     logprobs: list[Entry] | None = None
@@ -73,6 +108,10 @@ class Handoff:
     output_token_ids: list[int]
     kv: KVDescriptor | None  # None: the transport could not take it; decode recomputes
     priority: int = 0  # the AMQP priority of the handoff: the effective priority when it left
+    # Parallel sampling: as in NewRequest (the choices to fork into; or one choice alone).
+    choices: list[tuple[int, int]] = field(default_factory=list)
+    choice_index: int | None = None
+    input_key: str = ""  # the input it leaves from (the shell's name for it); "": request_id
 
 
 @dataclass(frozen=True)
@@ -117,7 +156,7 @@ class StepOutput:
     tokens: list[TokenOutput] = field(default_factory=list)
     handoffs: list[Handoff] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)  # request ids this engine is done with
+    retired: list[str] = field(default_factory=list)  # inputs this engine is done with
     releases: list[KVRelease] = field(default_factory=list)  # receiver → sender notices
     transfers: list[KVTransferStat] = field(default_factory=list)
     stats: StepStats | None = None  # None when no forward ran

@@ -9,6 +9,10 @@ pooled one).
 With a host tier (``BATON_KV_HOST_CACHE_MB``, shared/runtime/kv_tiers.py) a pooled transport
 cannot carry a prompt holding host blocks (decode reads the sender's device pool in place):
 such a prompt goes through ``spill``, the spill store, which copies it at once.
+
+Parallel sampling (``n`` > 1): the prompt is computed once, and its one row of logits gives
+every choice its first token; one handoff carries them all, with the one copy of the KV, and
+decode forks it into a sequence per choice (decode.py).
 """
 
 from __future__ import annotations
@@ -53,22 +57,23 @@ class PrefillEngine(EngineCore):
     def has_work(self) -> bool:
         return super().has_work() or self._announced_batch is not None
 
-    def _drop(self, request_id: str) -> None:
-        self._prompt_logprobs.pop(request_id, None)
-        seq = self.requests.get(request_id)
-        if seq is not None and self._streams is not None and self._streams.fail(request_id):
+    def _drop(self, key: str) -> str | None:
+        self._prompt_logprobs.pop(key, None)
+        seq = self.requests.get(key)
+        if seq is not None and self._streams is not None and self._streams.fail(key):
             # Announced: decode may be reading its pinned blocks; they wait for its release.
-            self.scheduler.running.pop(request_id, None)
-            self._handed_off[request_id] = seq
-            del self.requests[request_id]
-            self._deadlines.pop(request_id, None)
+            self.scheduler.running.pop(key, None)
+            self._handed_off[key] = seq
+            del self.requests[key]
+            ended = self._leave(key)
         else:
-            super()._drop(request_id)
+            ended = super()._drop(key)
         batch = self._announced_batch
         if batch is not None and seq in batch.seqs:  # it waited for its forward: not any more
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_new_tokens[i]
             self._announced_batch = batch if batch.seqs else None
+        return ended
 
     def release(self, notice: KVRelease, now: float | None = None) -> None:
         """Decode is done with a request's KV (pooled transports)."""
@@ -94,27 +99,29 @@ class PrefillEngine(EngineCore):
         asks = any(_asks_logprobs(s) for s in batch.seqs)
         logprobs = StepLogprobs() if asks else None
 
-        def run(rows: list[int]) -> list[int | None]:
+        def run(rows: list[int]) -> list[list[int] | None]:
             sub = PrefillBatch(
                 [batch.seqs[r] for r in rows], [batch.num_new_tokens[r] for r in rows]
             )
             # Announced prompts report each stored layer of the forward that computes them.
             on_layer = self._streams.on_layer(sub) if self._streams is not None else None
-            return self.runner.prefill(sub.seqs, sub.num_new_tokens, on_layer, logprobs)
+            return self.runner.prefill_choices(sub.seqs, sub.num_new_tokens, on_layer, logprobs)
 
         results = self._forward(batch.seqs, out, run)
         if not results:
             return out
         ran = sorted(results)  # a request that failed alone is gone from the batch
         batch = PrefillBatch([batch.seqs[r] for r in ran], [batch.num_new_tokens[r] for r in ran])
-        tokens = [results[r] for r in ran]
+        firsts = [results[r] for r in ran]  # each choice's first token, of completed prompts
         forward_s = time.perf_counter() - t0
         if logprobs is not None:
             for rid, positions in logprobs.prompt.items():
                 self._prompt_logprobs.setdefault(rid, {}).update(positions)
-        done = self.scheduler.update(batch, tokens)
+        done = self.scheduler.update(batch, [None if t is None else t[0] for t in firsts])
+        by_seq = {id(seq): t for seq, t in zip(batch.seqs, firsts, strict=True)}
         for seq in done:
-            self._finish_prompt(seq, started, now, out, logprobs)
+            firsts_of = by_seq[id(seq)] or [seq.last_token_id]
+            self._finish_prompt(seq, firsts_of, started, now, out, logprobs)
         self._free_handed_off(now)
         out.stats = self._stats(len(batch), batch.num_tokens, len(done), 0, forward_s)
         return out
@@ -142,31 +149,40 @@ class PrefillEngine(EngineCore):
     def _finish_prompt(
         self,
         seq: Sequence,
+        firsts: list[int],
         started: float,
         now: float,
         out: StepOutput,
         logprobs: StepLogprobs | None = None,
     ) -> None:
+        """``firsts``: the first token of each choice (one unless ``n`` > 1; the sequence holds
+        choice 0's). The prompt's logprobs, if asked for, go with choice 0's first token."""
         rid, token = seq.request_id, seq.last_token_id
-        reason = self.stop(token, seq.num_tokens, seq.num_output_tokens, seq.sampling)
-        sampled = logprobs.sampled.get(rid) if logprobs is not None else None
-        out.tokens.append(
-            TokenOutput(
-                rid,
-                0,
-                [token],
-                reason,
-                scheduled_at=started,
-                logprobs=None if sampled is None else [sampled],
-                prompt_logprobs=self._prompt_logprobs_of(seq),
+        prompt_logprobs = self._prompt_logprobs_of(seq)
+        going: list[tuple[int, int]] = []  # the choices that go on to decode
+        for index, first in enumerate(firsts):
+            reason = self.stop(first, seq.num_tokens, seq.num_output_tokens, seq.sampling)
+            sampled = logprobs.sampled.get((rid, index)) if logprobs is not None else None
+            out.tokens.append(
+                TokenOutput(
+                    rid,
+                    0,
+                    [first],
+                    reason,
+                    scheduled_at=started,
+                    choice_index=index,
+                    logprobs=None if sampled is None else [sampled],
+                    prompt_logprobs=prompt_logprobs if index == 0 else None,
+                )
             )
-        )
+            if reason is None:
+                going.append((index, first))
         if self._streams is not None and rid in self._streams:
             # Announced: its blocks are pinned for decode, which reads the first token (or
             # that the request ended) from the progress record and releases them.
-            self._streams.end(rid, token, finished=reason is not None)
+            self._streams.end(rid, token, finished=not going)
             self._handed_off[rid] = seq
-        elif reason is None:
+        elif going:
             t0 = time.perf_counter()
             tier = self.runner.host_tier
             on_host = tier is not None and tier.holds_host(seq.block_table)
@@ -179,7 +195,7 @@ class PrefillEngine(EngineCore):
                 out.transfers.append(
                     KVTransferStat(desc.transport, desc.nbytes, time.perf_counter() - t0)
                 )
-            self._hand_off(seq, desc, now, out)
+            self._hand_off(seq, desc, now, out, going if seq.sampling.n > 1 else None)
         else:
             self.scheduler.free(seq)
         self._retire(rid, out)

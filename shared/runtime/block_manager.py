@@ -238,6 +238,63 @@ class BlockManager:
         seq.num_cached_tokens = 0
         self._num_published_blocks[seq.request_id] = 0
 
+    # --- forks (parallel sampling) ---------------------------------------------------------------
+    def _num_fork_blocks(self, seq: Sequence) -> int:
+        """Blocks a sequence forked from ``seq`` takes of its own: the one holding its next
+        position and those after, with their full-precision slots."""
+        own = len(seq.block_table) - seq.num_computed_tokens // self.block_size
+        first_slot = max(seq.num_computed_tokens // self.block_size, seq.fp_first_block)
+        num_slots = (len(seq.block_table) - first_slot) * self.fp_slots_per_block
+        return own + (num_slots if seq.fp_blocks else 0)
+
+    def can_fork(self, seq: Sequence) -> bool:
+        return self._num_fork_blocks(seq) <= self.num_free_blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Blocks for ``child``, a sequence of the same length as ``parent`` that shares its
+        first ``parent.num_computed_tokens`` positions (another choice of the same prompt: vLLM's
+        fork of a SequenceGroup). The full computed blocks are shared (one more reference each,
+        read only from now on); the block holding the next position is the child's own, a copy
+        of the parent's when computed positions share it (copy-on-write: both sequences write
+        their next tokens there), as are the blocks after it and their full-precision slots.
+
+        Returns the ``(src, dst)`` block copies to make before either sequence's next forward.
+        """
+        if child.block_table:
+            raise ValueError(f"{child.request_id!r} already holds {len(child.block_table)} blocks")
+        if child.num_tokens != parent.num_tokens:
+            raise ValueError(f"a fork of {parent.request_id!r} must have its length")
+        if not self.can_fork(parent):
+            raise RuntimeError(f"not enough free KV blocks to fork {parent.request_id!r}")
+        bs = self.block_size
+        computed = parent.num_computed_tokens
+        shared = computed // bs  # blocks before this one are full and computed
+        copies: list[tuple[int, int]] = []
+
+        def own(j: int, block_id: int) -> int:
+            if j < shared:
+                if block_id != NULL_BLOCK:
+                    self._ref_counts[block_id] += 1
+                return block_id
+            new = self._take_free_block()
+            if j == shared and computed % bs:
+                copies.append((block_id, new))
+            return new
+
+        self._adopt(child)
+        child.block_table = [own(j, b) for j, b in enumerate(parent.block_table)]
+        spb = self.fp_slots_per_block
+        child.fp_first_block = parent.fp_first_block
+        child.fp_blocks = [
+            own(parent.fp_first_block + k // spb, slot) for k, slot in enumerate(parent.fp_blocks)
+        ]
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = min(parent.num_cached_tokens, computed)
+        child.block_hashes = parent.block_hashes[:shared]
+        published = self._num_published_blocks.get(parent.request_id, 0)
+        self._num_published_blocks[child.request_id] = min(published, shared)
+        return copies
+
     def _num_missing(self, seq: Sequence) -> int:
         """Blocks (and their full-precision slots) that extending ``seq`` to its length takes."""
         missing = self.blocks_for(seq.num_tokens) - len(seq.block_table)

@@ -30,11 +30,12 @@ PROMPT_CHUNK_ELEMENTS = 1 << 24
 
 @dataclass
 class StepLogprobs:
-    """What one engine step's forwards found, by request id: the entry of the token sampled
-    for it, and entries of the prompt positions computed (position -> entry). Filled by the
+    """What one engine step's forwards found: the entry of the token sampled for each
+    (request id, choice) — a prompt with n > 1 draws one first token per choice —, and by
+    request id the entries of the prompt positions computed (position -> entry). Filled by the
     runner; a forward run again (isolating a failure) writes the same values again."""
 
-    sampled: dict[str, Entry] = field(default_factory=dict)
+    sampled: dict[tuple[str, int], Entry] = field(default_factory=dict)
     prompt: dict[str, dict[int, Entry]] = field(default_factory=dict)
 
 

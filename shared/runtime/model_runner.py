@@ -13,7 +13,7 @@ import math
 import mmap
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import structlog
 import torch
@@ -38,6 +38,7 @@ from shared.runtime.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
+R = TypeVar("R")
 KVCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
 
 
@@ -206,6 +207,20 @@ class ModelRunner:
         ask for them get their sampled token's logprobs and (``prompt_logprobs``) those of the
         prompt positions this chunk scores; None: nobody asks.
         """
+        firsts = self.prefill_choices(seqs, num_new_tokens, on_layer, logprobs)
+        return [None if tokens is None else tokens[0] for tokens in firsts]
+
+    def prefill_choices(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        on_layer: Callable[[int], None] | None = None,
+        logprobs: StepLogprobs | None = None,
+    ) -> list[list[int] | None]:
+        """:meth:`prefill`, with the first token of every choice of a prompt that asks for
+        ``sampling.n`` > 1: n draws from the prompt's one row of logits, choice ``i`` with its
+        index mixed into the seed (greedy ones all take the argmax). ``logprobs`` keys each
+        draw's entry by (request id, choice)."""
         if len(seqs) != len(num_new_tokens) or not seqs:
             raise ValueError("prefill needs one positive token count per sequence")
         spans = [
@@ -237,12 +252,25 @@ class ModelRunner:
         )
         return cast(list[int], tokens)  # every row of a decode forward samples
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, ``(src, dst)`` block ids of either tier: a forked sequence's own
+        copy of the block it writes next (copy-on-write, BlockManager.fork). Between forwards."""
+        for src, dst in pairs:
+            self._block(dst).copy_(self._block(src))
+
+    def _block(self, block_id: int) -> torch.Tensor:
+        """Every layer's K and V of one block, where that block lives."""
+        tier = self.host_tier
+        if tier is not None and tier.is_host(block_id):
+            return tier.host_cache[block_id - tier.layout.num_device_blocks]
+        return self.kv_cache[:, :, block_id]
+
     def _through_tiers(
         self,
         seqs: list[Sequence],
         spans: list[tuple[int, int]],
-        forward: Callable[[list[int], list[list[int]]], Iterable[int | None]],
-    ) -> list[int | None]:
+        forward: Callable[[list[int], list[list[int]]], Iterable[R | None]],
+    ) -> list[R | None]:
         """Run ``forward(rows, block_tables)``: once over the sequences' own tables, or, when
         some hold host blocks, once per group of rows whose host blocks fit the staging area,
         through staged tables, writing the blocks each group extended (``spans``) back."""
@@ -250,7 +278,7 @@ class ModelRunner:
         tier = self.host_tier
         if tier is None or not any(tier.holds_host(t) for t in tables):
             return list(forward(list(range(len(seqs))), tables))
-        out: list[int | None] = [None] * len(seqs)
+        out: list[R | None] = [None] * len(seqs)
         for rows in tier.split(tables):
             staged = tier.stage([tables[r] for r in rows])
             results = forward(rows, staged.tables)
@@ -269,7 +297,7 @@ class ModelRunner:
         tables: list[list[int]],
         on_layer: Callable[[int], None] | None = None,
         logprobs: StepLogprobs | None = None,
-    ) -> list[int | None]:
+    ) -> list[list[int] | None]:
         bs = self.block_size
         # (sequence, its first row, first prompt position scored, positions): the prompt
         # tokens after each chunk position, which that position's logits score.
@@ -279,7 +307,8 @@ class ModelRunner:
         slot_mapping: list[int] = []
         context_lens: list[int] = []
         logits_indices: list[int] = []
-        sampled_rows: list[int] = []
+        sampled_rows: list[int] = []  # one per draw: a prompt's row once per choice
+        choices: list[int] = []
         for i, (seq, n, table) in enumerate(zip(seqs, num_new_tokens, tables, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if n <= 0 or end > seq.num_tokens:
@@ -295,8 +324,12 @@ class ModelRunner:
             _extend_slots(slot_mapping, table, start, end, bs)
             context_lens.append(end)
             if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
-                sampled_rows.append(i)
+                # A prompt's first tokens: one per choice. A sequence with output is one choice.
+                fork = seq.sampling.n if seq.num_output_tokens == 0 else 1
+                draws = range(fork) if fork > 1 else (seq.choice_index,)
+                logits_indices.extend([len(input_ids) - 1] * len(draws))
+                sampled_rows.extend([i] * len(draws))
+                choices.extend(draws)
         spans = [(e - n, e) for n, e in zip(num_new_tokens, context_lens, strict=True)]
         fp = self._fp_batch(seqs, spans)
         meta: AttentionMetadata = self.attn_backend.prefill_metadata(
@@ -310,12 +343,17 @@ class ModelRunner:
             meta,
             logits_indices,
             [seqs[i] for i in sampled_rows],
+            choices,
             logprobs,
             scored,
         )
-        out: list[int | None] = [None] * len(seqs)
+        out: list[list[int] | None] = [None] * len(seqs)
         for row, token in zip(sampled_rows, sampled, strict=True):
-            out[row] = token
+            tokens = out[row]
+            if tokens is None:
+                out[row] = [token]
+            else:
+                tokens.append(token)
         return out
 
     def _decode(
@@ -328,7 +366,10 @@ class ModelRunner:
         fp = self._fp_batch(seqs, [(p, p + 1) for p in positions])
         meta = self.attn_backend.decode_metadata(slot_mapping, tables, context_lens, fp)
         input_ids = [seq.token_ids[-1] for seq in seqs]
-        return self._run(input_ids, positions, meta, list(range(len(seqs))), seqs, logprobs)
+        choices = [seq.choice_index for seq in seqs]
+        return self._run(
+            input_ids, positions, meta, list(range(len(seqs))), seqs, choices, logprobs
+        )
 
     def _fp_batch(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> FpBatch | None:
         """The forward's full-precision windows (int8 with BATON_KV_FP_WINDOW), or None."""
@@ -345,9 +386,12 @@ class ModelRunner:
         meta: AttentionMetadata,
         logits_indices: list[int],
         sample_seqs: list[Sequence],
+        choices: list[int],
         logprobs: StepLogprobs | None = None,
         scored: list[tuple[Sequence, int, int, int]] | None = None,
     ) -> list[int]:
+        """The forward, then one draw per entry of ``logits_indices`` (a row of the output,
+        repeated for a prompt's several choices) for ``sample_seqs``' choice ``choices``."""
         dev = self.device
         if self.between_layers is not None:
             meta = LayerProgress(meta, self.between_layers)
@@ -361,14 +405,20 @@ class ModelRunner:
             self._score_prompts(hidden, scored, logprobs)
         if not logits_indices:
             return []
-        if len(logits_indices) < hidden.shape[0]:
+        if logits_indices != list(range(hidden.shape[0])):  # a row once per draw
             hidden = hidden[torch.tensor(logits_indices, dtype=torch.int64, device=dev)]
         logits = self.model.compute_logits(hidden)
         sampling = [s.sampling for s in sample_seqs]
-        tokens = self.sampler(logits, sampling, [s.num_tokens for s in sample_seqs], sample_seqs)
+        tokens = self.sampler(
+            logits,
+            sampling,
+            [s.num_tokens for s in sample_seqs],
+            sample_seqs,
+            choices if any(choices) else None,
+        )
         if logprobs is not None:
             for row, entry in self.sampler.logprobs(logits, tokens, sampling).items():
-                logprobs.sampled[sample_seqs[row].request_id] = entry
+                logprobs.sampled[(sample_seqs[row].request_id, choices[row])] = entry
         return tokens
 
     def _score_prompts(

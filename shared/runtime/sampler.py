@@ -36,17 +36,19 @@ NEG_INF = float("-inf")
 NUCLEUS_GUESS = 256
 
 
-def mix_seed(seed: int, position: int) -> int:
-    """splitmix64 over (seed, position): a stable 63-bit value."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK64
+def mix_seed(seed: int, position: int, index: int = 0) -> int:
+    """splitmix64 over (seed, position, index): a stable 63-bit value. ``index``: the choice of
+    an n > 1 request, added above the position's bits (positions never reach 2**32), so the
+    choices of one seed draw apart at every position and choice 0 draws as n = 1 does."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + (index << 32) + 0x632BE59BD9B4E019) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
 
 
-def uniform(seed: int, position: int) -> float:
-    """A uniform draw in [0, 1) with 53 random bits, fixed by (seed, position)."""
-    return (mix_seed(seed, position) >> 10) * 2.0**-53
+def uniform(seed: int, position: int, index: int = 0) -> float:
+    """A uniform draw in [0, 1) with 53 random bits, fixed by (seed, position, index)."""
+    return (mix_seed(seed, position, index) >> 10) * 2.0**-53
 
 
 def nucleus_mask(
@@ -97,10 +99,12 @@ class Sampler:
         sampling: list[SamplingParams],
         positions: list[int],
         histories: Sequence[History] | None = None,
+        indices: Sequence[int] | None = None,
     ) -> list[int]:
         """``logits [N, V]`` (fp32) -> one token per row; ``positions[i]`` is where row i's token
         will sit in its sequence (its ``num_tokens`` before appending); ``histories[i]``, its
-        sequence: needed only by rows with penalties or ``min_tokens``."""
+        sequence: needed only by rows with penalties or ``min_tokens``; ``indices[i]``: the
+        choice row i samples for (parallel sampling; default 0)."""
         if any(p.processes_logits for p in sampling):
             logits = self._process(logits, sampling, histories)
         tokens = self._argmax(logits)
@@ -125,7 +129,10 @@ class Sampler:
             if not rows:
                 continue
             params = [sampling[i] for i in rows]
-            u = [uniform(p.seed or 0, positions[i]) for p, i in zip(params, rows, strict=True)]
+            u = [
+                uniform(p.seed or 0, positions[i], indices[i] if indices else 0)
+                for p, i in zip(params, rows, strict=True)
+            ]
             x = logits[rows].float() / _column([p.temperature for p in params], logits.device)
             min_p = [p.min_p for p in params]
             if any(min_p):

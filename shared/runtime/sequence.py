@@ -33,10 +33,17 @@ class Sequence:
         num_prompt_tokens: int | None = None,
         arrival_time: float | None = None,
         block_size: int = 16,
+        parent_request_id: str | None = None,
+        choice_index: int = 0,
     ) -> None:
         if not token_ids:
             raise ValueError(f"sequence {request_id!r} has no tokens")
+        # The engine's key for it (scheduler, block manager). A choice of an n > 1 request in
+        # decode has a key of its own (shared/engine/inputs.py, choice_key); the client's request
+        # id is ``parent_request_id``, and ``choice_index`` which of its choices it is.
         self.request_id = request_id
+        self.parent_request_id = request_id if parent_request_id is None else parent_request_id
+        self.choice_index = choice_index
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.sampling = sampling

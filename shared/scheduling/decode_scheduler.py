@@ -124,6 +124,22 @@ class DecodeScheduler(SchedulerBase):
             admitted.append(seq)
         return admitted
 
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """``child``: another choice of ``parent``'s prompt (parallel sampling), as long as it.
+        With a seat in the batch and blocks for its own part, it runs from the next schedule on
+        the parent's computed blocks (``BlockManager.fork``; the returned block copies are the
+        caller's to make before the forward). Otherwise it waits like a preempted sequence, and
+        recomputes what prefix hits do not give it."""
+        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_fork(parent):
+            child.status = SequenceStatus.PREEMPTED
+            self.waiting.push(child, front=True)
+            return []
+        copies = self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running[child.request_id] = child
+        self._admitted_at[child.request_id] = self.num_steps
+        return copies
+
     def free(self, seq: Sequence) -> None:
         self._admitted_at.pop(seq.request_id, None)
         super().free(seq)

@@ -61,9 +61,11 @@ __all__ = [
 #    KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
 #    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
 # Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids, logprobs,
-# prompt_logprobs), StartInfo's (include_stop_str_in_output, min_tokens, stop_token_ids) and
-# TokenEvent's (logprobs, prompt_logprobs) have defaults and are left out of a message at them,
-# so messages of requests that use none read alike on either side of an upgrade.
+# prompt_logprobs, n), StartInfo's (include_stop_str_in_output, min_tokens, stop_token_ids, n),
+# TokenEvent's (logprobs, prompt_logprobs) and the choice fields of parallel sampling
+# (TokenEvent.choice_index, StreamMark.choice_index and .done, HandoffMsg.choice_index and
+# .choices, ControlMsg.choice_index) have defaults and are left out of a message at them, so
+# messages of requests that use none read alike on either side of an upgrade.
 SCHEMA_VERSION = 4
 MAX_REQUEST_ID_CHARS = 256
 
@@ -227,13 +229,40 @@ class HandoffMsg(_Internal):
     priority: int = 0
     arrival_time: float = 0.0
     deadline: float | None = None
+    # Parallel sampling (``sampling.n`` > 1). From prefill: ``choices`` holds [index, first
+    # token] of each choice still running (``output_token_ids`` is empty); decode forks the one
+    # prompt's KV into them. A choice swapped out of a decode worker travels alone:
+    # ``choice_index`` names it (None: the message is the whole request).
+    choice_index: int | None = None
+    choices: list[list[int]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        d = to_map(self)
+        if self.choice_index is None:  # the additions, left out at their defaults
+            del d["choice_index"]
+        if not self.choices:
+            del d["choices"]
+        d["v"] = SCHEMA_VERSION
+        d["kind"] = self.KIND
+        return pack(d)
 
     @classmethod
     def from_map(cls, d: dict[str, Any]) -> HandoffMsg:
         d["sampling"] = SamplingParams.from_dict(d["sampling"])
         if d.get("kv") is not None:
             d["kv"] = KVDescriptor.from_map(d["kv"])
-        return cls(**d)
+        msg = cls(**d)
+        n = msg.sampling.n if isinstance(msg.sampling, SamplingParams) else 1
+        indices = [c[0] for c in msg.choices if isinstance(c, list) and len(c) == 2]
+        if len(indices) != len(msg.choices) or not all(
+            type(i) is int and 0 <= i < n for i in indices
+        ):
+            raise ValueError(f"choices must be [index, token] pairs with an index below n={n}")
+        if msg.choice_index is not None and not (
+            type(msg.choice_index) is int and 0 <= msg.choice_index < n
+        ):
+            raise ValueError(f"choice_index {msg.choice_index!r} outside 0..{n - 1}")
+        return msg
 
 
 @dataclass
@@ -260,20 +289,26 @@ class StartInfo:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0  # stop strings are not looked for in the text of the first this many
     stop_token_ids: list[int] = field(default_factory=list)  # a done reply's stop_reason
+    n: int = 1  # choices (parallel sampling): one done reply each; left out at 1
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _START_FIELDS}
-        if self.include_stop_str_in_output:
-            d["include_stop_str_in_output"] = True
-        if self.min_tokens:
-            d["min_tokens"] = self.min_tokens
-        if self.stop_token_ids:
-            d["stop_token_ids"] = self.stop_token_ids
+        for name, default in _START_ADDITIONS.items():
+            value = getattr(self, name)
+            if value != default:
+                d[name] = value
         return d
 
 
-_START_ADDITIONS = ("include_stop_str_in_output", "min_tokens", "stop_token_ids")
-_START_FIELDS = tuple(n for n in StartInfo.__dataclass_fields__ if n not in _START_ADDITIONS)
+_START_ADDITIONS: dict[str, Any] = {
+    "include_stop_str_in_output": False,
+    "min_tokens": 0,
+    "stop_token_ids": [],
+    "n": 1,
+}
+_START_FIELDS = tuple(
+    name for name in StartInfo.__dataclass_fields__ if name not in _START_ADDITIONS
+)
 
 
 @dataclass
@@ -287,25 +322,27 @@ class TokenEvent:
     error_code: str | None = None  # set on a terminal error (no done reply then)
     error_message: str | None = None
     scheduled_at: float | None = None  # wall clock when prefill started it (index-0 events)
-    # Additions, left out of the message when None (to_dict). One entry per token of
+    # Additions, left out of the message at their defaults (to_dict). One entry per token of
     # ``token_ids`` when the request asked for ``logprobs``; the index-0 event of a request that
     # asked for ``prompt_logprobs`` has one per prompt token (the first's logprob and rank are
     # None: nothing before it scores it). An entry: ``[token_id, logprob, rank, top_ids,
     # top_logprobs]`` (shared/runtime/logprobs.py).
     logprobs: list[list[Any]] | None = None
     prompt_logprobs: list[list[Any]] | None = None
+    choice_index: int = 0  # which choice of an n > 1 request
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _EVENT_FIELDS}
-        if self.logprobs is not None:
-            d["logprobs"] = self.logprobs
-        if self.prompt_logprobs is not None:
-            d["prompt_logprobs"] = self.prompt_logprobs
+        for name, default in _EVENT_ADDITIONS.items():
+            value = getattr(self, name)
+            if value != default:
+                d[name] = value
         return d
 
 
+_EVENT_ADDITIONS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None, "choice_index": 0}
 _EVENT_FIELDS = tuple(
-    n for n in TokenEvent.__dataclass_fields__ if n not in ("logprobs", "prompt_logprobs")
+    name for name in TokenEvent.__dataclass_fields__ if name not in _EVENT_ADDITIONS
 )
 
 
@@ -313,11 +350,27 @@ _EVENT_FIELDS = tuple(
 class StreamMark:
     """How far a request's stream was answered: the token replies committed so far end before
     output position ``next_index`` and text offset ``text_offset``
-    (services/detokenizer/marks.py)."""
+    (services/detokenizer/marks.py). With n > 1, one mark per choice (``choice_index``);
+    ``done``: that choice's done reply is committed too (the others still run). Both left out at
+    their defaults."""
 
     request_id: str
     next_index: int
     text_offset: int
+    choice_index: int = 0
+    done: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "next_index": self.next_index,
+            "text_offset": self.text_offset,
+        }
+        if self.choice_index:
+            d["choice_index"] = self.choice_index
+        if self.done:
+            d["done"] = True
+        return d
 
 
 @dataclass
@@ -365,23 +418,29 @@ CONTROL_TYPES = ("cancel", "abort", "drain")
 class ControlMsg:
     """On the fanout exchange ``baton.control``. ``cancel`` is the client's (contract);
     ``abort`` is internal (the detokenizer finished a request early, e.g. on a stop string, and
-    tells the workers to drop it silently); ``drain`` asks workers to stop taking new work."""
+    tells the workers to drop it silently; ``choice_index``: only that choice of an n > 1
+    request); ``drain`` asks workers to stop taking new work."""
 
     type: str
     request_id: str | None = None
+    choice_index: int | None = None
 
     def encode(self) -> bytes:
         d: dict[str, Any] = {"type": self.type}
         if self.request_id is not None:
             d["request_id"] = self.request_id
+        if self.choice_index is not None:
+            d["choice_index"] = self.choice_index
         return pack(d)
 
     @classmethod
     def decode(cls, body: bytes, max_bytes: int) -> ControlMsg:
         d = expect_map(unpack(body, max_bytes), "control message")
-        kind, rid = d.get("type"), d.get("request_id")
+        kind, rid, index = d.get("type"), d.get("request_id"), d.get("choice_index")
         if kind not in CONTROL_TYPES:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"unknown control type {kind!r}")
         if kind != "drain" and not isinstance(rid, str):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind} needs a string request_id")
-        return cls(type=kind, request_id=rid if isinstance(rid, str) else None)
+        if index is not None and (kind != "abort" or type(index) is not int or index < 0):
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "choice_index: an abort's, an int >= 0")
+        return cls(type=kind, request_id=rid if isinstance(rid, str) else None, choice_index=index)

@@ -26,9 +26,11 @@ class TokenReply:
     text_offset: int | None = None  # None: from a server that predates it
     type: str = "token"
     # Additions (absent unless the request asked): one entry per token of ``token_ids``
-    # (:data:`LOGPROB_ENTRY`); the prompt's, on the reply that starts the stream.
+    # (:data:`LOGPROB_ENTRY`); the prompt's, on the reply that starts the stream; which choice
+    # of a request with n > 1 the reply continues (absent for n = 1: choice 0).
     logprobs: list[list[Any]] | None = None
     prompt_logprobs: list[list[Any]] | None = None
+    choice_index: int | None = None
 
     def encode(self) -> bytes:
         return pack(_without_nils(to_map(self), _TOKEN_ADDITIONS))
@@ -36,6 +38,9 @@ class TokenReply:
 
 @dataclass(frozen=True)
 class DoneReply:
+    """The end of one choice: the request's only one for n = 1; with n > 1 one per
+    ``choice_index`` (absent for n = 1)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -43,11 +48,13 @@ class DoneReply:
     usage: dict[str, int]
     timing: dict[str, float | None]
     type: str = "done"
-    # Additions (absent unless set): every output token's logprobs, the prompt's, and what
-    # ended a ``stop``: the stop string, or the ``stop_token_ids`` entry (None: EOS).
+    # Additions (absent unless set): every output token's logprobs, the prompt's, what ended a
+    # ``stop`` (the stop string, or the ``stop_token_ids`` entry; None: EOS), and the choice of
+    # a request with n > 1.
     logprobs: list[list[Any]] | None = None
     prompt_logprobs: list[list[Any]] | None = None
     stop_reason: str | int | None = None
+    choice_index: int | None = None
 
     def encode(self) -> bytes:
         return pack(_without_nils(to_map(self), _DONE_ADDITIONS))
@@ -58,8 +65,8 @@ class DoneReply:
 # own text (decoded alone, special tokens included) and ``rank`` the chosen token's place, 1
 # for the most likely (docs/contract.md). A prompt's first token has logprob and rank None.
 LOGPROB_ENTRY = ("token_id", "token", "logprob", "rank", "top")
-_TOKEN_ADDITIONS = ("text_offset", "logprobs", "prompt_logprobs")
-_DONE_ADDITIONS = ("logprobs", "prompt_logprobs", "stop_reason")
+_TOKEN_ADDITIONS = ("text_offset", "logprobs", "prompt_logprobs", "choice_index")
+_DONE_ADDITIONS = ("logprobs", "prompt_logprobs", "stop_reason", "choice_index")
 
 
 def _without_nils(d: dict[str, Any], additions: tuple[str, ...]) -> dict[str, Any]:

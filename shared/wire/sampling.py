@@ -39,6 +39,9 @@ class SamplingParams:
     # own distribution, before penalties, temperature and the top-k / top-p / min-p filters.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Parallel sampling: n continuations of the one prompt, its KV computed once and shared
+    # (docs/engine.md); each choice samples with its index mixed into the seed.
+    n: int = 1
     # Whether the sampler reshapes this request's logits (penalties, min_tokens): not a field.
     processes_logits: ClassVar[bool]
 
@@ -89,4 +92,5 @@ _ADDITIONS: dict[str, Any] = {
     "stop_token_ids": (),
     "logprobs": None,
     "prompt_logprobs": None,
+    "n": 1,
 }

@@ -127,6 +127,7 @@ def parse_request_map(d: Any, config: BatonConfig) -> RequestMsg:
         stop_token_ids=_parse_stop_token_ids(d.get("stop_token_ids")),
         logprobs=_optional_int(d, "logprobs", 0, MAX_LOGPROBS),
         prompt_logprobs=_optional_int(d, "prompt_logprobs", 0, MAX_LOGPROBS),
+        n=_int(d, "n", 1, 1, config.max_n),
     )
     timeout_s = d.get("timeout_s")
     if timeout_s is not None:

@@ -199,7 +199,7 @@ def test_a_prefill_forward_that_fails_once_fails_nobody(
     expected = reference.run()
 
     pair = make_pair(tmp_path, prefill={"prefill_max_num_seqs": 2})
-    calls = fail_once(monkeypatch, pair.prefill.runner, "prefill")
+    calls = fail_once(monkeypatch, pair.prefill.runner, "prefill_choices")
     for i, rid in enumerate("abc", 1):
         pair.add(rid, prompt(12, seed=i), greedy(6, ignore_eos=True))
     with torch_threads(1):

@@ -55,7 +55,8 @@ def test_a_poisoned_request_fails_alone_in_a_batch_of_16(
     wide = {"max_num_seqs": NUM_REQUESTS, "prefill_max_num_seqs": NUM_REQUESTS}
     pair = EnginePair.build(MODEL, tmp_path / "spill", prefill=wide, decode=wide)
     engine = pair.prefill if stage == "prefill" else pair.decode
-    sizes = poison(monkeypatch, engine.runner, stage)
+    # The prefill engine's forward samples every choice's first token (prefill_choices).
+    sizes = poison(monkeypatch, engine.runner, "prefill_choices" if stage == "prefill" else stage)
     rids = [f"req-{i}" for i in range(NUM_REQUESTS)]
     for i, rid in enumerate(rids):
         pair.add(rid, prompt(i), greedy(MAX_TOKENS, ignore_eos=True))

@@ -123,7 +123,7 @@ def test_cancelled_or_failed_while_announced_leaves_nothing_behind(make_pair: An
 
     failing = make_pair(model, "failing")
     runner = failing.prefill.runner
-    real = runner.prefill
+    real = runner.prefill_choices
     calls = []
 
     def fail_second(*args: Any) -> Any:
@@ -132,7 +132,7 @@ def test_cancelled_or_failed_while_announced_leaves_nothing_behind(make_pair: An
             raise RuntimeError("injected")
         return real(*args)
 
-    runner.prefill = fail_second  # type: ignore[method-assign]
+    runner.prefill_choices = fail_second  # type: ignore[method-assign]
     failing.add("f", prompts["p300"], greedy(8, ignore_eos=True))  # 3 chunks: the 2nd fails
     failing.run()
     assert "f" in failing.errors and not failing.tokens["f"] and not failing.loads

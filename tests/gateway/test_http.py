@@ -23,6 +23,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import GatewayService
 from shared.client import BatonUnavailable
 from shared.config import BatonConfig
+from shared.wire.messages import DoneReply, TokenReply
 from tests.gateway.conftest import API_KEY, OFFLINE_MAX_BODY
 from tests.gateway.fakes import HANG, FakeBaton, error, tokens_then_done
 
@@ -131,8 +132,8 @@ async def test_error_after_the_first_token_travels_in_the_stream(
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"echo": "yes"}, "echo"),
-     ({"best_of": 2}, "best_of"), ({"prompt": ["a", "b"]}, "prompt"),
+    [({"n": 2, "best_of": 1}, "best_of"), ({"logprobs": True}, "logprobs"),
+     ({"echo": "yes"}, "echo"), ({"best_of": 2}, "best_of"), ({"prompt": ["a", "b"]}, "prompt"),
      ({"model": "gpt-4"}, "model")],
 )  # fmt: skip
 async def test_unsupported_requests_are_refused(
@@ -242,3 +243,44 @@ async def test_a_write_refused_by_the_server_counts_as_a_disconnect(baton: FakeB
         await asyncio.wait_for(exchange(scope, receive, send), 5)  # type: ignore[arg-type]
     assert baton.closed_early == ["cmpl-oserror"] and scope[SCOPE_STATUS] == 499
     assert any(e["event"] == "request cancelled by client disconnect" for e in logs)
+
+
+def _two_choices(rid: str, _kw: dict[str, Any]) -> list[Any]:
+    """Choice 1's replies interleaved with choice 0's; choice 1 ends first."""
+
+    def done(text: str, i: int) -> DoneReply:
+        usage = {"prompt_tokens": 3, "completion_tokens": len(text)}
+        return DoneReply(rid, text, [1] * len(text), "length", usage, {}, choice_index=i)
+
+    return [
+        TokenReply(rid, "a", [1], 0, 0, choice_index=0),
+        TokenReply(rid, "x", [1], 0, 0, choice_index=1),
+        TokenReply(rid, "y", [1], 1, 1, choice_index=1),
+        done("xy", 1),
+        TokenReply(rid, "b", [1], 1, 1, choice_index=0),
+        done("abc", 0),  # its tail "c" never came as a token reply: sent with the finish
+    ]
+
+
+async def test_n_choices_streamed_and_not(baton: FakeBaton, offline_url: str) -> None:
+    baton.script = _two_choices
+    client = _openai(offline_url)
+    out = await client.completions.create(model="smollm2-135m-instruct", prompt="x", n=2)
+    assert [(c.index, c.text) for c in out.choices] == [(0, "abc"), (1, "xy")]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
+    assert baton.calls[-1]["n"] == 2
+    stream = await client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=CHAT, n=2, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == ["abc", "xy"]
+    finishes = [
+        (ch.index, ch.finish_reason) for c in chunks for ch in c.choices if ch.finish_reason
+    ]
+    assert finishes == [(1, "length"), (0, "length")]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5

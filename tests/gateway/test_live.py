@@ -137,7 +137,7 @@ async def test_errors_from_baton(live: Live) -> None:
             model=MODEL, prompt="x", max_tokens=64, extra_body={"timeout_s": 0.001}
         )
     assert late.value.status_code == 504 and late.value.code == "timeout"
-    for extra in ({"n": 2}, {"logprobs": 21}):  # the tokenizer's range: 0..20
+    for extra in ({"n": 2, "best_of": 3}, {"logprobs": 21}):  # logprobs: the tokenizer's 0..20
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model=MODEL, prompt="x", **extra)  # type: ignore[arg-type]
 
@@ -180,3 +180,32 @@ async def test_client_disconnect_cancels_in_baton(live: Live) -> None:
         e["event"] == "request cancelled by client disconnect" and e.get("request_id") == rid
         for e in logs
     )
+
+
+async def test_n_choices_share_one_prefill(live: Live) -> None:
+    """n = 4 with a seed: four distinct completions, the same again for the same seed, from one
+    prefill (the prefill service's batch_size histogram counts the sequences it computed); greedy
+    n = 2 gives the n = 1 completion twice, streamed with each choice's index."""
+    prefill_port = live.metrics_port + port_offset("prefill")
+    computed = "baton:batch_size_sum"
+    client = _openai(live.url)
+    sampled = {"temperature": 1.0, "max_tokens": 16, "seed": 1234, "n": 4,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+    before = read_metrics(prefill_port).get(computed, 0.0)
+    out = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, **sampled)
+    assert read_metrics(prefill_port).get(computed, 0.0) == before + 1  # one prefill, four choices
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 4 * 16)  # prompt once
+    again = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, **sampled)
+    assert [c.text for c in again.choices] == texts
+
+    one = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, **GREEDY)
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPT_IDS, n=2, stream=True, **GREEDY
+    )
+    streamed = ["", ""]
+    async for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [one.choices[0].text] * 2

@@ -74,8 +74,9 @@ def test_prompt_forms(prompt: object, key: str, value: object) -> None:
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
         ({"prompt": None}, "prompt"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": "2"}, "n"),  # its range is the tokenizer's; its type is checked
         ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),  # best_of only equal to n
         ({"prompt": "x", "logprobs": True}, "logprobs"),  # a count, not chat's flag
         ({"prompt": "x", "echo": 1}, "echo"),
         ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),  # chat's
@@ -133,7 +134,7 @@ def test_chat_refusals_name_the_field() -> None:
     base = {"messages": [{"role": "user", "content": "x"}]}
     for extra in ({"logprobs": 1}, {"top_logprobs": 2}, {"echo": True},
                   {"tools": [{"type": "function"}]},
-                  {"response_format": {"type": "json_object"}}, {"n": 2}):  # fmt: skip
+                  {"response_format": {"type": "json_object"}}, {"best_of": 2}):  # fmt: skip
         with pytest.raises(ApiError) as info:
             parse_chat({**base, **extra}, CONFIG, LIMITS)
         assert info.value.status == 400 and info.value.param == next(iter(extra))
@@ -243,3 +244,33 @@ def test_public_bind_needs_a_key_or_an_explicit_opt_out(host: str) -> None:
 def test_the_key_stays_out_of_the_config_repr() -> None:
     assert "s3cr3t" not in repr(BatonConfig(api_key="s3cr3t"))
     assert BatonConfig.from_env({"BATON_API_KEY": "s3cr3t"}).api_key == "s3cr3t"
+
+
+def test_n_choices_and_best_of_equal_to_it() -> None:
+    req = parse_completion({"prompt": "x", "n": 3, "best_of": 3}, CONFIG)
+    assert req.baton["n"] == 3 and req.n == 3
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}, CONFIG, LIMITS)
+    assert chat.n == 2 and "n" not in parse_completion({"prompt": "x", "n": 1}, CONFIG).baton
+
+
+def test_n_choices_in_a_response_and_its_chunks() -> None:
+    usage = {"prompt_tokens": 4, "completion_tokens": 2}
+    dones = [DoneReply("r", t, [1] * len(t), "length", usage, {}, choice_index=i)
+             for i, t in enumerate(["ab", "cd", "ef"])]  # fmt: skip
+    chat = Formatter("chatcmpl-1", "m", chat=True, include_usage=True)
+    out = chat.completion(dones)
+    assert [(c["index"], c["message"]["content"]) for c in out["choices"]] == [
+        (0, "ab"), (1, "cd"), (2, "ef"),
+    ]  # fmt: skip
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    (delta,) = _events(chat.chunk("cd", index=1))
+    assert delta["choices"][0]["index"] == 1 and delta["choices"][0]["delta"] == {"content": "cd"}
+    (end,) = _events(chat.finish_choice(dones[2], 2))
+    assert end["choices"][0] == {
+        "index": 2,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    usage_event, last = _events(chat.close(dones))
+    assert usage_event["usage"]["completion_tokens"] == 6 and last == "[DONE]"

@@ -75,14 +75,14 @@ class ForwardLog:
         # Per prefill call: (request_id, first position, tokens computed, prefix-hit tokens).
         self.prefills: list[list[tuple[str, int, int, int]]] = []
         self.decodes: list[list[str]] = []  # per decode call: the request ids
-        prefill, decode = runner.prefill, runner.decode
+        prefill, decode = runner.prefill_choices, runner.decode
 
-        def spy_prefill(
+        def spy_prefill(  # every prefill forward (``prefill`` calls it too)
             seqs: list[Sequence],
             num_new_tokens: list[int],
             on_layer: Callable[[int], None] | None = None,
             logprobs: StepLogprobs | None = None,
-        ) -> list[int | None]:
+        ) -> list[list[int] | None]:
             self.prefills.append(
                 [
                     (s.request_id, s.num_computed_tokens, n, s.num_cached_tokens)
@@ -95,7 +95,7 @@ class ForwardLog:
             self.decodes.append([s.request_id for s in seqs])
             return decode(seqs, logprobs)
 
-        runner.prefill = spy_prefill  # type: ignore[method-assign]
+        runner.prefill_choices = spy_prefill  # type: ignore[method-assign]
         runner.decode = spy_decode  # type: ignore[method-assign]
 
     def chunks(self, request_id: str) -> list[int]:
@@ -137,6 +137,7 @@ class EnginePair:
         self.prefill_log = ForwardLog(prefill.runner)
         self.decode_log = ForwardLog(decode.runner)
         self.requests: dict[str, NewRequest] = {}
+        # By request id; a request with n > 1 by "<id>/<choice index>", one entry per choice.
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}  # request id -> "stop" | "length"
         self.errors: dict[str, RequestError] = {}
@@ -149,6 +150,7 @@ class EnginePair:
         # The entries of requests that asked (shared/runtime/logprobs.py), in output order.
         self.logprobs: dict[str, list[Entry]] = {}
         self.prompt_logprobs: dict[str, list[Entry]] = {}
+        self.travelling: set[str] = set()  # choices (n > 1) that left their input: swapped out
 
     @classmethod
     def build(
@@ -202,8 +204,27 @@ class EnginePair:
         result = self.prefill.add(req)
         if result is AddResult.ADDED:
             self.requests[request_id] = req
-            self.tokens[request_id] = []
+            for name in self.names(request_id):
+                self.tokens[name] = []
         return result
+
+    def names(self, request_id: str) -> list[str]:
+        """Its entries in ``tokens`` and ``finish``: one per choice."""
+        n = self.requests[request_id].sampling.n
+        return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+    def name(self, request_id: str, choice_index: int) -> str:
+        return self.names(request_id)[choice_index]
+
+    def to_decode(self, h: Handoff) -> NewRequest:
+        """A handoff as decode's shell makes it a request (services/shell/engine_service.py)."""
+        return dataclasses.replace(
+            self.requests[h.request_id],
+            output_token_ids=list(h.output_token_ids),
+            kv=h.kv,
+            choices=list(h.choices),
+            choice_index=h.choice_index,
+        )
 
     def step(self, now: float | None = None) -> tuple[StepOutput | None, StepOutput | None]:
         """One step of each engine that has work (prefill first, as the services race)."""
@@ -213,10 +234,7 @@ class EnginePair:
             self.collect(p_out, prefill=True)
             for h in p_out.handoffs:
                 self.handoffs[h.request_id] = h
-                req = dataclasses.replace(
-                    self.requests[h.request_id], output_token_ids=list(h.output_token_ids), kv=h.kv
-                )
-                assert self.decode.add(req, now) is AddResult.ADDED, h.request_id
+                assert self.decode.add(self.to_decode(h), now) is AddResult.ADDED, h.request_id
         if self.decode.has_work():
             d_out = self.decode.step(now)
             self.collect(d_out)
@@ -225,10 +243,9 @@ class EnginePair:
             self.decode_running.append(self.decode.num_running)
             for h in d_out.handoffs:  # swapped out: back through baton.decode, to this worker
                 self.swapped.append(h.request_id)
-                req = dataclasses.replace(
-                    self.requests[h.request_id], output_token_ids=list(h.output_token_ids), kv=h.kv
-                )
-                assert self.decode.add(req, now) is AddResult.ADDED, h.request_id
+                if h.choice_index is not None:
+                    self.travelling.add(self.name(h.request_id, h.choice_index))
+                assert self.decode.add(self.to_decode(h), now) is AddResult.ADDED, h.request_id
         return p_out, d_out
 
     def deliver_releases(self, out: StepOutput) -> None:
@@ -257,39 +274,47 @@ class EnginePair:
                 # Notices made outside a step (a discard on abort or expiry) leave with decode's
                 # next step; a service steps even when idle, so deliver them as it would.
                 self.deliver_releases(self.decode.step())
-        ended = self.finish.keys() | self.errors.keys() | self.expired
+        ended = (
+            set(self.finish)
+            | self.expired
+            | {name for rid in self.errors.keys() | self.expired for name in self.names(rid)}
+        )
         assert ended >= self.tokens.keys() - self.aborted, sorted(self.tokens.keys() - ended)
         return self.tokens
 
     def abort(self, request_id: str) -> bool:
         """Cancel as the shells do: every engine drops it."""
-        self.aborted.add(request_id)
+        self.aborted.update([request_id, *self.names(request_id)])
         in_prefill = self.prefill.abort(request_id)
         in_decode = self.decode.abort(request_id)
-        return in_prefill or in_decode
+        return bool(in_prefill or in_decode)
 
     def collect(self, out: StepOutput, prefill: bool = False) -> None:
         """Gather a step's tokens and errors (tests that step one engine themselves call it)."""
         for t in out.tokens:
-            assert t.request_id not in self.finish, f"{t.request_id} got tokens after finishing"
+            name = self.name(t.request_id, t.choice_index)
+            assert name not in self.finish, f"{name} got tokens after finishing"
             assert t.request_id not in self.expired, f"{t.request_id} got tokens after expiring"
-            got = self.tokens[t.request_id]
-            assert t.index == len(got), (t.request_id, t.index, len(got))  # in order, no gaps
+            got = self.tokens[name]
+            assert t.index == len(got), (name, t.index, len(got))  # in order, no gaps
             got.extend(t.token_ids)
             if t.logprobs is not None:
                 self.logprobs.setdefault(t.request_id, []).extend(t.logprobs)
             if t.prompt_logprobs is not None:
                 self.prompt_logprobs[t.request_id] = t.prompt_logprobs
             if t.finish_reason is not None:
-                self.finish[t.request_id] = t.finish_reason
+                self.finish[name] = t.finish_reason
         for e in out.errors:
             assert e.request_id not in self.errors and e.request_id not in self.finish
             self.errors[e.request_id] = e
-        handed_off = {h.request_id for h in out.handoffs}
+        handed_off = {h.input_key or h.request_id for h in out.handoffs}
         if prefill:  # a layer-wise handoff leaves a step before its request retires there
             handed_off |= self.handoffs.keys()
-        for rid in out.retired:
-            if rid not in self.finish and rid not in self.errors and rid not in handed_off:
+        for key in out.retired:
+            rid, _, index = key.partition("\x00")  # an input of one choice (inputs.choice_key)
+            names = [self.name(rid, int(index))] if index else self.names(rid)
+            gone = self.finish.keys() | self.travelling | self.aborted
+            if not set(names) <= gone and rid not in self.errors and key not in handed_off:
                 self.expired.add(rid)
 
     def assert_clean(self) -> None:

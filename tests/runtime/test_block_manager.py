@@ -220,3 +220,38 @@ def test_block_hash_is_chained_and_stable() -> None:
     assert h0 == hash_block(b"", [1, 2, 3, 4])
     assert hash_block(h0, [5, 6, 7, 8]) != hash_block(b"", [5, 6, 7, 8])
     assert len(h0) == 16
+
+
+def test_a_fork_shares_the_full_blocks_and_copies_the_partial_one() -> None:
+    bm = BlockManager(16, BS)
+    parent = seq("p", list(range(10)) + [50])  # a prompt of 10 (2 full blocks) + first token
+    bm.allocate(parent)
+    parent.num_computed_tokens = 10  # the prompt's KV is in
+    bm.cache_computed_blocks(parent)
+    children = [seq(f"c{i}", list(range(10)) + [60 + i]) for i in range(3)]
+    copies = [bm.fork(parent, c) for c in children]
+    full, partial = parent.block_table[:2], parent.block_table[2]
+    assert all(c.block_table[:2] == full for c in children)
+    assert [bm.ref_count(b) for b in full] == [4, 4]
+    own = [c.block_table[2] for c in children]
+    assert len({partial, *own}) == 4 and all(bm.ref_count(b) == 1 for b in own)
+    assert copies == [[(partial, b)] for b in own]  # copy-on-write: each before its first write
+    assert all(c.num_computed_tokens == 10 for c in children)
+    assert bm.num_used_blocks == 6
+    for s in (parent, *children):
+        bm.free(s)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 16
+
+
+def test_a_fork_on_a_block_boundary_copies_nothing_and_needs_room() -> None:
+    bm = BlockManager(4, BS)
+    parent = seq("p", list(range(8)) + [50])  # the prompt fills 2 blocks: the next is empty
+    bm.allocate(parent)
+    parent.num_computed_tokens = 8
+    child = seq("c", list(range(8)) + [51])
+    assert bm.can_fork(parent) and bm.fork(parent, child) == []
+    assert child.block_table[:2] == parent.block_table[:2]
+    assert child.block_table[2] != parent.block_table[2]
+    assert not bm.can_fork(parent)  # the cache is full: a third choice has to wait
+    with pytest.raises(RuntimeError):
+        bm.fork(parent, seq("d", list(range(8)) + [52]))

@@ -139,3 +139,15 @@ def test_draws_stay_inside_the_reference_filter_sets() -> None:
         assert got <= want
     rank = flat.argsort(descending=True).tolist()
     assert max(rank.index(t) for t in draws[1]) >= 256  # the fallback drew past the guess
+
+
+def test_choices_draw_apart_and_choice_0_draws_as_n_1() -> None:
+    assert mix_seed(1234, 17, 0) == mix_seed(1234, 17) == 4390300814818178609
+    per_choice = {mix_seed(1234, p, i) for p in range(50) for i in range(16)}
+    assert len(per_choice) == 800  # no two (position, choice) of one seed share a draw
+    logits = torch.zeros(16, 64)  # uniform: every choice at one position
+    params = [SamplingParams(temperature=1.0, seed=5)] * 16
+    drawn = Sampler()(logits, params, [9] * 16, None, list(range(16)))
+    assert len(set(drawn)) > 8
+    assert drawn[0] == Sampler()(logits[:1], params[:1], [9])[0]
+    assert drawn == Sampler()(logits, params, [9] * 16, None, list(range(16)))  # reproducible
