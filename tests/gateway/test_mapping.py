@@ -271,6 +271,7 @@ def test_n_choices_in_a_response_and_its_chunks() -> None:
         "delta": {},
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
     usage_event, last = _events(chat.close(dones))
     assert usage_event["usage"]["completion_tokens"] == 6 and last == "[DONE]"
