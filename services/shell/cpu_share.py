@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from shared.client.connection import split_urls
+
 T = TypeVar("T")
 # Every model shares, however small. Sharing once cost the bench model (14 MB of fp32 weights)
 # 18% (3,328 tok/s split vs 2,729 shared, 2026-12-05), and only models of 64 MiB of layer
@@ -53,9 +55,12 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 def table_path(amqp_url: str, cpus: frozenset[int], root: Path = SHM_DIR) -> Path:
     """The table of the engines that share ``cpus`` behind the broker vhost of ``amqp_url``
-    (credentials left out: each service may log in as its own user)."""
-    url = urlsplit(amqp_url)
-    where = f"{url.hostname}:{url.port}{url.path or '/'}|{','.join(map(str, sorted(cpus)))}"
+    (credentials left out: each service may log in as its own user; every address of a
+    cluster's, in any order)."""
+    urls = sorted(
+        {f"{u.hostname}:{u.port}{u.path or '/'}" for u in map(urlsplit, split_urls(amqp_url))}
+    )
+    where = f"{','.join(urls)}|{','.join(map(str, sorted(cpus)))}"
     return root / f"baton-cpu2-{hashlib.sha1(where.encode()).hexdigest()[:16]}"
 
 
