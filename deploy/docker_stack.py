@@ -61,9 +61,12 @@ def ensure_dockerd(wait_s: float = 60.0) -> None:
         raise RuntimeError("the Docker engine does not answer and dockerd is not installed")
     log(f"starting dockerd (log: {DOCKERD_LOG})")
     with DOCKERD_LOG.open("ab") as out:
-        subprocess.Popen(["dockerd"], stdout=out, stderr=out, start_new_session=True)
+        daemon = subprocess.Popen(["dockerd"], stdout=out, stderr=out, start_new_session=True)
     deadline = time.monotonic() + wait_s
     while not engine_answers():
+        if daemon.poll() is not None:  # not root, no cgroups, ...: no use waiting
+            tail = DOCKERD_LOG.read_text(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError(f"dockerd exited {daemon.returncode}: {' '.join(tail)}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"dockerd did not answer within {wait_s:.0f}s; see {DOCKERD_LOG}")
         time.sleep(1)
@@ -90,9 +93,12 @@ def _reachable(image: str) -> bool:
     return sh(["docker", "pull", image], check=False, quiet=True, timeout=600).returncode == 0
 
 
-def build_inputs(wheels: Sequence[Path], ca_bundle: Path | None) -> dict[str, str]:
+def build_inputs(
+    wheels: Sequence[Path], ca_bundle: Path | None, model: Path | None = None
+) -> dict[str, str]:
     """Base images (the official ones where the registry answers, else deploy/base-images.sh's),
-    a local torch wheel and the CA bundle for the build: the variables Compose needs for them."""
+    a local torch wheel, the CA bundle and the default model's file for the build: the variables
+    Compose needs for them."""
     env = {k: os.environ[k] for k in (*OFFICIAL, "BATON_TORCH_WHEEL") if os.environ.get(k)}
     need_local = not all(_reachable(env.get(k, image)) for k, image in OFFICIAL.items())
     argv = ["bash", "deploy/base-images.sh"]
@@ -102,6 +108,8 @@ def build_inputs(wheels: Sequence[Path], ca_bundle: Path | None) -> dict[str, st
             break
     if ca_bundle is not None:
         argv += ["--ca-bundle", str(ca_bundle)]
+    if model is not None:
+        argv += ["--model", str(model)]
     if not need_local:
         argv.append("--no-images")
     else:

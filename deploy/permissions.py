@@ -5,13 +5,14 @@ configure (declare, delete), write (publish to an exchange; the queue side of a 
 (consume or get from a queue; the exchange side of a bind). What each party does, from the code:
 
 - every service shell (``services/shell/broker.py``): declares the whole topology on connect, so
-  configure on all of it; binds ``baton.dead`` to ``baton.dlx`` (write the queue, read the
-  exchange); declares an unnamed exclusive queue (``amq_<hex>``), binds it to
-  ``baton.control`` and consumes it; publishes through the default exchange (``amq.default``);
-  reads queue depths by passive declares (which need no permission);
+  configure on all of it; binds ``baton.dead`` (and with quorum work queues ``baton.poison``) to
+  ``baton.dlx`` (write the queue, read the exchange); declares an unnamed exclusive queue
+  (``amq_<hex>``), binds it to ``baton.control`` and consumes it; publishes through the default
+  exchange (``amq.default``); reads queue depths by passive declares (which need no permission);
 - tokenizer, prefill, decode, detokenizer consume ``baton.requests``, ``baton.prefill``,
-  ``baton.decode``, ``baton.detok[.<n>]``; prefill also declares and consumes its release queue
-  ``baton.kv_release.<worker>``; the detokenizer publishes aborts to ``baton.control``;
+  ``baton.decode``, ``baton.detok[.<n>]``; the tokenizer also ``baton.poison``; prefill also
+  declares and consumes its release queue ``baton.kv_release.<worker>``; the detokenizer
+  publishes aborts to ``baton.control``;
 - the client library (``shared/client``; the gateway is one): declares, consumes and deletes its
   reply queue ``baton.reply.<hex>``, declares ``baton.control`` and publishes cancels there, and
   publishes requests through the default exchange;
@@ -48,12 +49,13 @@ from shared.wire.queues import (
     CONTROL_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
     DEAD_LETTER_QUEUE,
-    DEAD_QUEUE_ARGS,
     DECODE_QUEUE,
     DETOK_QUEUE_PREFIX,
+    POISON_QUEUE,
     PREFILL_QUEUE,
     REQUESTS_QUEUE,
     WORK_QUEUES,
+    dead_letter_queues,
     detok_queues,
     kv_release_queue,
     queue_arguments,
@@ -85,6 +87,7 @@ REPLY = lit(REPLY_QUEUE_PREFIX) + ".+"
 TOPOLOGY = (
     lit(DEAD_LETTER_EXCHANGE),
     lit(DEAD_LETTER_QUEUE),
+    lit(POISON_QUEUE),
     *(lit(q) for q in WORK_QUEUES),
     DETOK,
     lit(CONTROL_EXCHANGE),
@@ -103,7 +106,9 @@ def _service(
 ) -> Permissions:
     return Permissions(
         configure=any_of(*TOPOLOGY, ANONYMOUS, *configure),
-        write=any_of(DEFAULT_EXCHANGE, lit(DEAD_LETTER_QUEUE), ANONYMOUS, *writes),
+        write=any_of(
+            DEFAULT_EXCHANGE, lit(DEAD_LETTER_QUEUE), lit(POISON_QUEUE), ANONYMOUS, *writes
+        ),
         read=any_of(lit(DEAD_LETTER_EXCHANGE), lit(CONTROL_EXCHANGE), ANONYMOUS, *reads),
     )
 
@@ -114,7 +119,7 @@ _CLIENT = Permissions(
     read=any_of(REPLY),
 )
 ROLES: dict[str, Permissions] = {
-    "tokenizer": _service((lit(REQUESTS_QUEUE),)),
+    "tokenizer": _service((lit(REQUESTS_QUEUE), lit(POISON_QUEUE))),
     "prefill": _service((lit(PREFILL_QUEUE), KV_RELEASE), configure=(KV_RELEASE,)),
     "decode": _service((lit(DECODE_QUEUE),)),
     "detokenizer": _service((DETOK,), writes=(lit(CONTROL_EXCHANGE),)),
@@ -156,10 +161,10 @@ def password_hash(password: str) -> str:
     return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
 
 
-# Every baton.* queue (work, detok shards, replies, dead letters) mirrored on every node of a
-# cluster, synced at once: the queue and its messages outlive the node that held it
-# (compose.cluster.yaml). Classic mirroring, not quorum queues: on RabbitMQ 3.x quorum queues
-# carry no message priorities, which Baton's scheduling rides on. No effect on a single node.
+# Every classic baton.* queue (work, detok shards, replies, dead letters) mirrored on every node
+# of a cluster, synced at once: the queue and its messages outlive the node that held it
+# (compose.cluster.yaml). Quorum queues (BATON_QUEUE_TYPE=quorum) replicate by themselves and
+# ignore it. No effect on a single node.
 MIRROR_POLICY: dict[str, Any] = {
     "name": "baton-ha",
     "pattern": r"^baton\.",
@@ -169,21 +174,21 @@ MIRROR_POLICY: dict[str, Any] = {
 }
 
 
-def topology(vhost: str, detok_shards: int) -> dict[str, list[dict[str, Any]]]:
-    """Queues, exchanges, the binding and the mirroring policy, with the arguments every
-    declarer uses."""
-    names = (*WORK_QUEUES, *detok_queues(detok_shards))
+def topology(vhost: str, config: BatonConfig) -> dict[str, list[dict[str, Any]]]:
+    """Queues, exchanges, the bindings and the mirroring policy, with the arguments every
+    declarer uses (the work queues' type and delivery limit, the shards: ``config``)."""
+    dead = dead_letter_queues(config)
+    names = (*WORK_QUEUES, *detok_queues(config.detok_shards), *dead)
     queue = {"vhost": vhost, "durable": True, "auto_delete": False}
     fanout = {"vhost": vhost, "type": "fanout", "durable": True, "auto_delete": False}
     return {
-        "queues": [{"name": q, **queue, "arguments": queue_arguments(q)} for q in names]
-        + [{"name": DEAD_LETTER_QUEUE, **queue, "arguments": DEAD_QUEUE_ARGS}],
+        "queues": [{"name": q, **queue, "arguments": queue_arguments(q, config)} for q in names],
         "exchanges": [
             {"name": x, **fanout, "internal": False, "arguments": {}}
             for x in (DEAD_LETTER_EXCHANGE, CONTROL_EXCHANGE)
         ],
-        "bindings": [dict(source=DEAD_LETTER_EXCHANGE, vhost=vhost, destination=DEAD_LETTER_QUEUE,
-                          destination_type="queue", routing_key="", arguments={})],
+        "bindings": [dict(source=DEAD_LETTER_EXCHANGE, vhost=vhost, destination=q,
+                          destination_type="queue", routing_key="", arguments={}) for q in dead],
         "policies": [{"vhost": vhost, **MIRROR_POLICY}],
     }  # fmt: skip
 
@@ -191,7 +196,7 @@ def topology(vhost: str, detok_shards: int) -> dict[str, list[dict[str, Any]]]:
 def definitions(
     vhost: str,
     passwords: dict[str, str],
-    detok_shards: int,
+    config: BatonConfig,
     prefix: str = USER_PREFIX,
     admin: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -215,7 +220,7 @@ def definitions(
             {"user": u, "vhost": vhost, "configure": p.configure, "write": p.write, "read": p.read}
             for u, _, _, p in accounts
         ],
-        **topology(vhost, detok_shards),
+        **topology(vhost, config),
     }  # fmt: skip
 
 
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="definitions: write here, not to stdout")
     parser.add_argument("--mode", default="600", help="definitions --output: octal file mode")
     args = parser.parse_args(argv)
+    # The queues' arguments follow BATON_QUEUE_TYPE and BATON_MAX_DELIVERY_FAILURES.
+    config = BatonConfig.from_env(detok_shards=args.detok_shards)
 
     if args.command == "show":
         for role, p in ROLES.items():
@@ -314,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             admin = (args.admin_user, os.environ.get("BATON_RABBITMQ_PASSWORD", ""))
             if not admin[1]:
                 sys.exit("BATON_RABBITMQ_PASSWORD is not set (the --admin-user's password)")
-        defs = definitions(args.vhost, _passwords(args, False), args.detok_shards,
-                           args.user_prefix, admin)  # fmt: skip
+        defs = definitions(args.vhost, _passwords(args, False), config, args.user_prefix,
+                           admin)  # fmt: skip
         text = json.dumps(defs, indent=2) + "\n"
         if args.output is None:
             sys.stdout.write(text)
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(tmp, args.output)
     else:  # apply
         passwords = _passwords(args, True)
-        apply(definitions(args.vhost, passwords, args.detok_shards, args.user_prefix))
+        apply(definitions(args.vhost, passwords, config, args.user_prefix))
         for role, pw in passwords.items():
             url = url_for(args.url, args.user_prefix + role, pw, args.vhost)
             print(f"export BATON_{role.upper()}_AMQP_URL={shlex.quote(url)}")

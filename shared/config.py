@@ -61,6 +61,12 @@ class BatonConfig:
     # workers crashed or lost their channel each time) is poison: answered ``internal`` and
     # dead-lettered to baton.dead.
     max_delivery_failures: int = 4
+    # The work queues' type (baton.requests, baton.prefill, baton.decode): "classic" (priority
+    # queues; the services count poison) or "quorum" (replicated by Raft, for a broker cluster;
+    # the broker counts poison at x-delivery-limit; no queue priorities on RabbitMQ 3.x, so
+    # priority orders only what a worker holds). Every service and the broker's definitions must
+    # agree; switching needs the work queues deleted first (docs/reliability.md, "Quorum").
+    queue_type: str = "classic"
     # --- model --------------------------------------------------------------------------------
     # "" = the default model (SmolLM2-135M-Instruct, fetched once); a name, a Hugging Face
     # directory or a .gguf file: shared/models/catalog.py.

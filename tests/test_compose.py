@@ -262,9 +262,14 @@ def test_every_password_is_required(runner: list[str], missing: str) -> None:
 
 
 def test_loadtest_profile(runner: list[str]) -> None:
-    services = _resolved(runner, "cpu", USERS="3", DURATION="5s")["services"]
+    services = _resolved(runner, "cpu", USERS="3", DURATION="5s", BATON_MODEL="tiny-random")
+    services = services["services"]
     loadtest = services["loadtest"]
     assert loadtest["profiles"] == ["loadtest"]
+    # Its prompts are drawn from the served model's vocabulary.
+    assert (
+        _env(loadtest)["BATON_MODEL"] == _env(services["prefill"])["BATON_MODEL"] == "tiny-random"
+    )
     command = loadtest["command"]
     command = command if isinstance(command, str) else " ".join(command)
     entrypoint = " ".join(loadtest["entrypoint"])
@@ -391,10 +396,12 @@ def test_gateway_needs_auth_when_published(runner: list[str]) -> None:
 
 def test_broker_cluster_overlay(runner: list[str]) -> None:
     """compose.cluster.yaml: three broker nodes with one cookie from the environment and the
-    classic peer-discovery config, every service given every node (BATON_AMQP_HOSTS)."""
+    classic peer-discovery config, every service given every node (BATON_AMQP_HOSTS) and
+    started once all three are up; BATON_QUEUE_TYPE reaches every service and broker-init."""
     files = ["compose.yaml", "compose.cpu.yaml", "compose.cluster.yaml"]
     hosts = "rabbitmq:5672,rabbitmq-2:5672,rabbitmq-3:5672"
-    env = {**PASSWORDS, "BATON_ERLANG_COOKIE": "c00k1e", "BATON_AMQP_HOSTS": hosts}
+    env = {**PASSWORDS, "BATON_ERLANG_COOKIE": "c00k1e", "BATON_AMQP_HOSTS": hosts,
+           "BATON_QUEUE_TYPE": "quorum"}  # fmt: skip
     result = _compose(runner, files, **env)
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
@@ -410,8 +417,28 @@ def test_broker_cluster_overlay(runner: list[str]) -> None:
         assert _volume_mounts(node)["/etc/rabbitmq/baton"] == "broker-definitions"
     data = {_volume_mounts(services[n])["/var/lib/rabbitmq"] for n in nodes}
     assert len(data) == 3  # a data directory each
+    assert "cluster_formation.target_cluster_size_hint = 3" in conf  # queues made on all three
     for name in (*WORKERS, "gateway"):
         assert _env(services[name])["BATON_AMQP_URL"].endswith(f"@{hosts}/"), name
+        assert set(services[name]["depends_on"]) >= set(nodes), name
+    for name in (*WORKERS, "gateway", "broker-init"):
+        assert _env(services[name])["BATON_QUEUE_TYPE"] == "quorum", name
     without_cookie = {k: v for k, v in env.items() if k != "BATON_ERLANG_COOKIE"}
     refused = _compose(runner, files, **without_cookie)
     assert refused.returncode != 0 and "BATON_ERLANG_COOKIE" in refused.stderr
+
+
+def test_compose_check_in_make_test_skips_where_docker_cannot_run(tmp_path: Path) -> None:
+    """``make test`` ends with the Compose check, which says in one line that it is skipped where
+    Docker cannot run (here: no docker on PATH) and exits 0; run by hand, it fails there."""
+    make = (REPO / "Makefile").read_text()
+    recipe = make.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "-m pytest" in recipe and "-m deploy.compose_check --skip-without-docker" in recipe
+    run = [sys.executable, "-m", "deploy.compose_check"]
+    env = {**os.environ, "PATH": str(tmp_path)}
+    skipped = subprocess.run([*run, "--skip-without-docker"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert skipped.stdout.startswith("compose-check SKIPPED: Docker cannot run here (no docker")
+    failed = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode != 0 and "no docker CLI" in failed.stderr

@@ -69,7 +69,9 @@ def urls() -> Iterator[dict[str, str]]:
             pytest.skip("could not create a fresh vhost")
         passwords = {role: uuid.uuid4().hex for role in perms.ROLES}
         try:
-            perms.apply(perms.definitions(vhost, passwords, SHARDS, prefix))
+            perms.apply(
+                perms.definitions(vhost, passwords, BatonConfig(detok_shards=SHARDS), prefix)
+            )
         except RuntimeError as exc:  # no rabbitmqctl: a remote broker
             pytest.skip(str(exc))
         try:

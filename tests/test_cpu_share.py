@@ -69,6 +69,10 @@ def test_two_deployments_and_disjoint_cpu_sets_never_mix(tmp_path: Path) -> None
     # credentials are not part of the deployment: each service may log in as its own user
     other_user = "amqp://decode:secret@127.0.0.1:5672/"
     assert table_path(other_user, cpus, tmp_path) == table_path(URL, cpus, tmp_path)
+    # A broker cluster's every address (compose.cluster.yaml's host list, or one URL each)
+    hosts = table_path("amqp://p:s@rabbitmq:5672,rabbitmq-2:5672/", cpus, tmp_path)
+    urls = "amqp://d:t@rabbitmq-2:5672/,amqp://d:t@rabbitmq:5672/"
+    assert hosts == table_path(urls, cpus, tmp_path) != table_path(URL, cpus, tmp_path)
 
 
 def test_a_closed_engine_gives_its_slot_back(table: Path) -> None:

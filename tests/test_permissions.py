@@ -28,7 +28,7 @@ from deploy import permissions as perms
 from services.launcher import LocalSystem, ServiceProcesses, fresh_vhost, wait_served
 from services.shell.registry import PIPELINE
 from shared.client import BatonClient
-from shared.config import REPO_ROOT
+from shared.config import REPO_ROOT, BatonConfig
 from shared.wire.messages import PrefillMsg, SamplingParams
 from shared.wire.queues import (
     CONTROL_EXCHANGE,
@@ -85,7 +85,7 @@ def test_regexes(role: str, kind: str, resource: str, allowed: bool) -> None:
 
 def test_every_service_may_declare_the_whole_topology() -> None:
     """Each shell declares every queue and exchange on connect (services/shell/broker.py)."""
-    topo = perms.topology("/", SHARDS)
+    topo = perms.topology("/", BatonConfig(detok_shards=SHARDS))
     names = [q["name"] for q in topo["queues"]] + [x["name"] for x in topo["exchanges"]]
     assert DETOK_0 in names and "baton.dead" in names
     for role in PIPELINE:
@@ -98,7 +98,9 @@ def test_every_service_may_declare_the_whole_topology() -> None:
 
 def test_definitions_document() -> None:
     passwords = {role: f"pw-{role}" for role in perms.ROLES}
-    defs = perms.definitions("v1", passwords, SHARDS, "t-", admin=("ops", "root-pw"))
+    defs = perms.definitions(
+        "v1", passwords, BatonConfig(detok_shards=SHARDS), "t-", admin=("ops", "root-pw")
+    )
     users = {u["name"]: u for u in defs["users"]}
     assert set(users) == {f"t-{r}" for r in perms.ROLES} | {"ops"}
     assert users["ops"]["tags"] == ["administrator"] and users["t-decode"]["tags"] == []
@@ -173,7 +175,9 @@ def urls() -> Iterator[dict[str, str]]:
             pytest.skip("could not create a fresh vhost (rabbitmqctl add_vhost failed)")
         passwords = {role: uuid.uuid4().hex for role in perms.ROLES}
         try:
-            perms.apply(perms.definitions(vhost, passwords, SHARDS, prefix))
+            perms.apply(
+                perms.definitions(vhost, passwords, BatonConfig(detok_shards=SHARDS), prefix)
+            )
             yield {r: perms.url_for(base, prefix + r, pw, vhost) for r, pw in passwords.items()}
         finally:
             perms.remove([prefix + r for r in perms.ROLES])

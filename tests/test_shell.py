@@ -130,7 +130,7 @@ async def test_tokenizer_counts_redeliveries_and_applies_the_priority_rule(vhost
     conn = await _connect(vhost)
     async with conn:
         channel = await conn.channel()
-        await declare_topology(channel, CONFIG.detok_shards)
+        await declare_topology(channel, CONFIG)
         reply_queue = await channel.declare_queue("", exclusive=True)
         cases = {  # request id -> (body fields, AMQP priority, expected priority)
             "body-zero": ({"priority": 0}, 7, 0),

@@ -49,7 +49,9 @@ async def inputs(url: str, broker: Broker, n: int) -> list[aio_pika.abc.Abstract
         channel = await conn.channel()
         for q in (INPUT, OUTPUT):  # as the shell declares them
             await (
-                await channel.declare_queue(q, durable=True, arguments=queue_arguments(q))
+                await channel.declare_queue(
+                    q, durable=True, arguments=queue_arguments(q, BatonConfig())
+                )
             ).purge()
         for i in range(n):
             await channel.default_exchange.publish(aio_pika.Message(b"%d" % i), routing_key=INPUT)

@@ -35,6 +35,7 @@ from locust import User, constant, events, task
 from locust.env import Environment
 
 from loadtest.serving.workload import LoadMix, Slo, Stat, random_token_ids, read_vocab, tpot
+from shared.client.connection import split_urls
 from shared.config import DEFAULT_AMQP_URL, REPO_ROOT, BatonConfig
 from shared.models.catalog import resolve_model
 from shared.wire.messages import (
@@ -116,7 +117,9 @@ class BatonUser(LoadUser):
         super().on_start()
         self.url = os.environ.get("BATON_AMQP_URL") or DEFAULT_AMQP_URL
         self.current: _Exchange | None = None
-        self.connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        # Every address of a broker cluster's URL, tried in turn (shared/client/connection.py).
+        addresses = [pika.URLParameters(url) for url in split_urls(self.url)]
+        self.connection = pika.BlockingConnection(addresses)
         self.channel = self.connection.channel()
         self.channel.confirm_delivery()  # unroutable mandatory publishes raise UnroutableError
         # Named as the client library names its reply queues: a broker user of the client role

@@ -1,8 +1,9 @@
 """RabbitMQ plumbing shared by the service shells: topology, confirmed publishes, consumers.
 
 Invariants every service keeps:
-- Work queues are durable, priority queues (``x-max-priority``) that dead-letter to ``baton.dlx``.
-  Every service declares them with the *same* arguments (a mismatch is a channel error).
+- Work queues are durable and dead-letter to ``baton.dlx``: classic priority queues
+  (``x-max-priority``), or quorum queues with a delivery limit (``BATON_QUEUE_TYPE``). Every
+  service declares them with the *same* arguments (a mismatch is a channel error).
 - Work messages are persistent; the channel runs with publisher confirms, and ``publish``
   returns only once the broker confirmed. A consumer acks its input only after everything it
   produced from that input is confirmed, so a crash anywhere redelivers instead of losing work.
@@ -33,9 +34,8 @@ from shared.config import BatonConfig
 from shared.wire.queues import (
     CONTROL_EXCHANGE,
     DEAD_LETTER_EXCHANGE,
-    DEAD_LETTER_QUEUE,
-    DEAD_QUEUE_ARGS,
     WORK_QUEUES,
+    dead_letter_queues,
     detok_queues,
     queue_arguments,
 )
@@ -61,14 +61,15 @@ class Outgoing:
     headers: dict[str, FieldValue] | None = None
 
 
-async def declare_topology(channel: AbstractChannel, detok_shards: int) -> AbstractExchange:
+async def declare_topology(channel: AbstractChannel, config: BatonConfig) -> AbstractExchange:
     dlx = await channel.declare_exchange(
         DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
     )
-    dead = await channel.declare_queue(DEAD_LETTER_QUEUE, durable=True, arguments=DEAD_QUEUE_ARGS)
-    await dead.bind(dlx)
-    for name in (*WORK_QUEUES, *detok_queues(detok_shards)):
-        await channel.declare_queue(name, durable=True, arguments=queue_arguments(name))
+    for name in dead_letter_queues(config):
+        args = queue_arguments(name, config)
+        await (await channel.declare_queue(name, durable=True, arguments=args)).bind(dlx)
+    for name in (*WORK_QUEUES, *detok_queues(config.detok_shards)):
+        await channel.declare_queue(name, durable=True, arguments=queue_arguments(name, config))
     return await channel.declare_exchange(
         CONTROL_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
     )
@@ -106,7 +107,7 @@ class Broker:
         self._pub = await self._connection.channel(publisher_confirms=True)
         self._sub = await self._connection.channel(publisher_confirms=False)
         await self._sub.set_qos(prefetch_count=self.prefetch_count)
-        self._control = await declare_topology(self._pub, self.config.detok_shards)
+        self._control = await declare_topology(self._pub, self.config)
 
     async def supports_channel_prefetch(self) -> bool:
         """Whether the broker takes a channel-wide prefetch (basic.qos with global=true), tried
@@ -116,7 +117,12 @@ class Broker:
         started after it, so it cannot follow a worker's free slots; the channel-wide one
         applies at once to every consumer of the channel. RabbitMQ deprecated it (allowed up to
         4.2, refused by default from 4.3 unless ``deprecated_features.permit.global_qos``);
-        where it is refused, a service keeps the per-consumer prefetch it started with."""
+        where it is refused, a service keeps the per-consumer prefetch it started with.
+
+        Never with quorum work queues: RabbitMQ closes the *connection* of a channel with a
+        channel-wide prefetch that consumes from one (NOT_IMPLEMENTED)."""
+        if self.config.queue_type == "quorum":
+            return False
         try:
             connection = await connect(self.config.amqp_url)
         except Exception as exc:
@@ -234,7 +240,7 @@ class Broker:
     async def consume(self, queue_name: str, handler: Handler) -> tuple[AbstractQueue, str]:
         """Start consuming a work queue (manual acks); returns the queue and the consumer tag."""
         assert self._sub is not None, "connect() first"
-        args = queue_arguments(queue_name)
+        args = queue_arguments(queue_name, self.config)
         queue = await self._sub.declare_queue(queue_name, durable=True, arguments=args)
         tag = await queue.consume(handler, no_ack=False)
         self._queues.append(queue)

@@ -33,7 +33,7 @@ from services.shell.broker import Outgoing
 from services.shell.cpus import check_nice, yield_thread_cpu
 from services.shell.event_hold import EventHold
 from services.shell.prefetch import PrefetchWindow
-from services.shell.shell import ServiceShell, ack, detok_events, requeue
+from services.shell.shell import ServiceShell, ack, detok_events, peek_request_id, requeue
 from services.shell.step_trace import StepTrace
 from shared.config import BatonConfig
 from shared.engine.cpu_share import CpuShareManager
@@ -49,7 +49,6 @@ from shared.wire.messages import (
     KVReleaseMsg,
     PrefillMsg,
     TokenEvent,
-    unpack,
 )
 from shared.wire.queues import DECODE_QUEUE, kv_release_queue
 
@@ -470,7 +469,7 @@ class EngineService(ABC):
     async def _fail_unreadable(self, delivery: AbstractIncomingMessage, exc: ProtocolError) -> None:
         """A work message we cannot read (version skew, corruption): answer its request if the
         id is recoverable, so the client still gets its one terminal reply; dead-letter it."""
-        rid = _peek_request_id(delivery.body, self.config.max_message_bytes)
+        rid = peek_request_id(delivery.body, self.config.max_message_bytes)
         log.error("unreadable work message", request_id=rid, reason=exc.message)
         if rid is not None:
             event = error_event(rid, ErrorCode.INTERNAL, exc.message)
@@ -479,7 +478,7 @@ class EngineService(ABC):
 
     async def _answer_poison(self, delivery: AbstractIncomingMessage, failures: int) -> None:
         """About to be dead-lettered: its request gets an ``internal`` error."""
-        rid = _peek_request_id(delivery.body, self.config.max_message_bytes)
+        rid = peek_request_id(delivery.body, self.config.max_message_bytes)
         log.error("request set aside as poison", request_id=rid, failures=failures)
         if rid is not None:
             reason = f"{self.name} failed on this request {failures} times; it was set aside"
@@ -489,12 +488,3 @@ class EngineService(ABC):
 
 def error_event(request_id: str, code: ErrorCode, message: str) -> TokenEvent:
     return TokenEvent(request_id, 0, [], error_code=code.value, error_message=message)
-
-
-def _peek_request_id(body: bytes, max_bytes: int) -> str | None:
-    try:
-        d = unpack(body, max_bytes)
-    except ProtocolError:
-        return None
-    rid = d.get("request_id") if isinstance(d, dict) else None
-    return rid if isinstance(rid, str) else None

@@ -38,8 +38,8 @@ from services.shell.service_metrics import ServiceMetrics
 from services.shell.tx_outbox import TxOutbox
 from shared.config import BatonConfig
 from shared.wire.errors import ProtocolError
-from shared.wire.messages import ControlMsg, DetokMsg, TokenEvent
-from shared.wire.queues import REQUESTS_QUEUE, detok_queue_for
+from shared.wire.messages import ControlMsg, DetokMsg, TokenEvent, unpack
+from shared.wire.queues import POISON_QUEUE, REQUESTS_QUEUE, detok_queue_for
 
 log = structlog.get_logger(__name__)
 
@@ -124,10 +124,12 @@ class ServiceShell:
     async def consume(
         self, queue: str, handler: Handler, *, on_poison: PoisonHandler | None = None
     ) -> None:
-        """Consume ``queue``. With ``on_poison``, redeliveries are counted (see
-        :meth:`_count_redelivery`) and a message whose deliveries failed
-        ``max_delivery_failures`` times is given to
-        ``on_poison`` (to answer its request) and dead-lettered to ``baton.dead``."""
+        """Consume ``queue``. With ``on_poison`` and classic work queues, redeliveries are
+        counted (see :meth:`_count_redelivery`) and a message whose deliveries failed
+        ``max_delivery_failures`` times is given to ``on_poison`` (to answer its request) and
+        dead-lettered to ``baton.dead``. Quorum work queues count them in the broker, which
+        dead-letters such a message itself; the tokenizer answers it from ``baton.poison``
+        (``services/tokenizer/poison.py``)."""
 
         async def on_delivery(delivery: AbstractIncomingMessage) -> None:
             if checked and delivery.user_id not in self._trusted:
@@ -141,8 +143,8 @@ class ServiceShell:
                 return
             if delivery.redelivered:
                 self.metrics.on_redelivered(queue)
-                if on_poison is not None and not self.draining:
-                    await self._count_redelivery(queue, delivery, on_poison)
+                if counted is not None and not self.draining:
+                    await self._count_redelivery(queue, delivery, counted)
                     return
             if self.draining:  # in flight when the consumer was cancelled: give it back
                 await self.dispose(delivery, requeue=True)
@@ -153,8 +155,11 @@ class ServiceShell:
             finally:
                 self._handling -= 1
 
-        # Clients write only baton.requests; every other queue carries work between services.
-        checked = bool(self._trusted) and queue != REQUESTS_QUEUE
+        # Clients write only baton.requests; every other queue carries work between services
+        # but baton.poison, which holds clients' dead requests too (its consumer checks).
+        checked = bool(self._trusted) and queue not in (REQUESTS_QUEUE, POISON_QUEUE)
+        # A republished copy would restart a quorum queue's own count (x-delivery-limit).
+        counted = on_poison if self.config.queue_type == "classic" else None
         if not self.draining:  # a drain that came during start-up: never begin
             self._consumers.append(await self.broker.consume(queue, on_delivery))
 
@@ -166,9 +171,10 @@ class ServiceShell:
         is republished with the count in a header, then acked, and runs again as the copy. At
         ``max_delivery_failures`` it is poison: answered and dead-lettered, never run again.
 
-        Why not quorum queues' ``x-delivery-limit``: they have two priority levels (RabbitMQ
-        ≥ 4.0; none before), and Baton's scheduling needs the contract's ten. A worker killed
-        several times in a row also counts against the messages it held: the limit allows that.
+        Classic work queues only (``BATON_QUEUE_TYPE``): quorum queues count deliveries
+        themselves (``x-delivery-limit``), but have no priorities on RabbitMQ 3.x (two levels
+        from 4.0), and the classic ones keep the contract's ten. A worker killed several times
+        in a row also counts against the messages it held: the limit allows that.
         """
         recorded = (delivery.headers or {}).get(FAILURES_HEADER)
         failures = (recorded if type(recorded) is int and recorded >= 0 else 0) + 1
@@ -321,6 +327,16 @@ def detok_events(events: list[TokenEvent], sent_at: float, num_shards: int) -> l
         Outgoing(queue, DetokMsg(events=evs, sent_at=sent_at).encode())
         for queue, evs in by_shard.items()
     ]
+
+
+def peek_request_id(body: bytes, max_bytes: int) -> str | None:
+    """The ``request_id`` of a work message's body, or None where it has none that reads."""
+    try:
+        d = unpack(body, max_bytes)
+    except ProtocolError:
+        return None
+    rid = d.get("request_id") if isinstance(d, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 async def ack(delivery: AbstractIncomingMessage) -> None:

@@ -14,6 +14,9 @@ baton.decode holds its limit of requests (depths polled every ``policy_poll_inte
 deadline is the default by length (base + per prompt token + per output token), shortened by the
 client's ``timeout_s``; a short prompt is published to baton.prefill with a boosted AMQP
 priority while the prefill backlog is deep.
+
+With quorum work queues (``BATON_QUEUE_TYPE``) it also answers the requests the broker set aside
+as poison (``poison.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from services.shell.broker import Outgoing
 from services.shell.common import resolve_model_dir
 from services.shell.shell import ServiceShell
 from services.tokenizer.core import PromptEncoder
+from services.tokenizer.poison import PoisonAnswers
 from shared.config import BatonConfig
 from shared.flow_control.policy import SchedulingPolicy
 from shared.limits import Limits
@@ -72,6 +76,8 @@ class TokenizerService:
         # depth reading before it returns: admission never runs blind.
         await self.shell.start()
         await self.shell.consume(REQUESTS_QUEUE, self.on_request, on_poison=self._answer_poison)
+        if self.config.queue_type == "quorum":  # the broker sets poison aside: answer it
+            await PoisonAnswers(self.shell).start()
 
     async def stop(self) -> None:
         await self.shell.stop()

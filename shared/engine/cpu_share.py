@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from shared.client.connection import split_urls
+
 T = TypeVar("T")
 # Every model shares, however small: with decode yielding to a prefill wave and OpenMP's team
 # spinning between GEMMs, a small model gains from sharing as a large one does
@@ -51,9 +53,12 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 
 def table_path(amqp_url: str, cpus: frozenset[int], root: Path = SHM_DIR) -> Path:
     """The table of the engines that share ``cpus`` behind the broker vhost of ``amqp_url``
-    (credentials left out: each service may log in as its own user)."""
-    url = urlsplit(amqp_url)
-    where = f"{url.hostname}:{url.port}{url.path or '/'}|{','.join(map(str, sorted(cpus)))}"
+    (credentials left out: each service may log in as its own user; every address of a
+    cluster's, in any order)."""
+    urls = sorted(
+        {f"{u.hostname}:{u.port}{u.path or '/'}" for u in map(urlsplit, split_urls(amqp_url))}
+    )
+    where = f"{','.join(urls)}|{','.join(map(str, sorted(cpus)))}"
     return root / f"baton-cpu2-{hashlib.sha1(where.encode()).hexdigest()[:16]}"
 
 
