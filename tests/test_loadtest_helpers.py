@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.engine import stage_profile as sp
 from loadtest.faults.reply_log import ReplyLog
+from loadtest.serving import stage_profile as sp
 from loadtest.serving.driver import metrics_ports
 from loadtest.serving.overhead import format_overhead
 from loadtest.serving.vllm_baseline import parse_result, run_vllm_baseline

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.engine import phase_cpu, roofline
+from loadtest.engine import roofline
 from loadtest.models import arch_of
+from loadtest.serving import phase_cpu
 from loadtest.serving.bench_args import SHAPES, parse_args
 from shared.models.tiny.builder import PRESETS
 

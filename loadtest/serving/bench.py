@@ -25,7 +25,8 @@ do not share the cores); start Baton if ``--spawn`` (in its own vhost); warm up 
 then ``--warmup-passes`` untimed passes of the workload's shape); run the workload(s)
 ``--repeats`` times (3; the baselines too; medians count, since this kind of shared machine
 drifts by tens of percent from minute to minute), each profiled with ``--spawn``
-(``loadtest/engine/stage_profile.py``: CPU per process, time per stage, broker traffic); stop Baton;
+(``loadtest/serving/stage_profile.py``: CPU per process, time per stage, broker traffic); stop
+Baton;
 report; write JSON and PNGs. Latencies are the client's view; definitions in
 loadtest/serving/workload.py.
 
@@ -34,7 +35,7 @@ loadtest/serving/workload.py.
 table: Baton's decode step against (weight + KV bytes) / measured bandwidth and its prefill
 against FLOPs / measured GEMM peak (loadtest/engine/roofline.py), and the profile gives cores busy
 per
-process while prefill works and once only decode does (loadtest/engine/phase_cpu.py).
+process while prefill works and once only decode does (loadtest/serving/phase_cpu.py).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.engine import phase_cpu, roofline, stage_profile
+from loadtest.engine import roofline
 from loadtest.engine.gguf_variants import export_hf_dir
 from loadtest.models import preset_model
+from loadtest.serving import phase_cpu, stage_profile
 from loadtest.serving.baselines import (
     hf_baseline,
     measure_matmul,

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loadtest.engine import stage_profile
+from loadtest.serving import stage_profile
 from loadtest.serving.workload import (
     RequestResult,
     RequestSpec,

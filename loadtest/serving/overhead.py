@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from loadtest.engine import stage_profile
+from loadtest.serving import stage_profile
 from loadtest.serving.driver import finite, run_load, say, target_for, warm_up
 from loadtest.serving.workload import (
     make_workload,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loadtest.engine import stage_profile
+from loadtest.serving import stage_profile
 
 PHASES = ("prefill busy", "decode only", "idle/other")
 
