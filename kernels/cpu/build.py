@@ -17,7 +17,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
@@ -80,6 +82,23 @@ def load_library(
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning(f"{source.name} unavailable; {fallback} serves", error=str(exc))
         return None
+
+
+K = TypeVar("K")
+
+
+def load_threaded(
+    kernel: Callable[[ctypes.CDLL, Path, int], K], source: Path, flags: tuple[str, ...],
+    cache_dir: Path | None, fallback: str, max_threads: int | None,
+) -> K | None:  # fmt: skip
+    """A kernel whose calls split over threads, its library built and loaded (None where it
+    cannot be: ``fallback`` serves). ``max_threads``: the most threads a call may split into
+    (default: the cores this process may run on; each call uses at most
+    ``torch.get_num_threads()`` of them)."""
+    loaded = load_library(source, flags, cache_dir, fallback)
+    if loaded is None:
+        return None
+    return kernel(*loaded, usable_cpus() if max_threads is None else max_threads)
 
 
 def usable_cpus() -> int:

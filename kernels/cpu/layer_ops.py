@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from kernels.cpu.build import CSRC, load_library, split_parts
+from kernels.cpu.rope import rope_in_place
 
 SOURCE = CSRC / "layer_ops.c"
 # Contraction on: SiLU's polynomial and RoPE's sums as FMAs (one rounding fewer); RMSNorm's
 # products are products of products, which it leaves alone.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-fPIC",
          "-shared", "-std=c11")  # fmt: skip
-MAX_HEAD_DIM = 512  # the RoPE kernel's row buffer
 # Output elements a part has at least: a decode step's SiLU * up at a real size (16 x 4864
 # outputs) still gains from a split in two; much smaller calls lose more to waking the team
 # than they gain, and stay whole.
@@ -118,32 +118,10 @@ class LayerKernels:
            parts(rows * inter))  # fmt: skip
         return out
 
-    @staticmethod
-    def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """RoPE's inputs: ``x [T, H, D]`` bf16 CPU, heads contiguous in a row (rows may be
-        strided); ``cos``/``sin`` ``[T, 1, D]`` contiguous bf16."""
-        if x.dim() != 3 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            return False
-        num_tokens, _, head_dim = x.shape
-        table = (num_tokens, 1, head_dim)
-        return (
-            head_dim % 2 == 0
-            and head_dim <= MAX_HEAD_DIM
-            and x.stride()[1:] == (head_dim, 1)
-            and all(
-                t.shape == table and t.dtype == torch.bfloat16 and t.is_contiguous()
-                for t in (cos, sin)
-            )
-        )
-
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """``model.apply_rope`` in place if :meth:`takes` the inputs (True); else False."""
-        if not self.takes(x, cos, sin):
-            return False
-        num_tokens, num_heads, head_dim = x.shape
-        self._rope(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), cos.data_ptr(),
-                   sin.data_ptr(), parts(num_tokens * num_heads * head_dim))  # fmt: skip
-        return True
+        """``model.apply_rope`` in place if the inputs are bf16 ones the kernel takes
+        (:func:`~kernels.cpu.rope.rope_takes`: True); else False."""
+        return rope_in_place(self._rope, x, cos, sin, torch.bfloat16, parts(x.numel()))
 
 
 def load_layer_ops(cache_dir: Path | None = None) -> LayerKernels | None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import CSRC, load_library, split_parts, usable_cpus
+from kernels.cpu.build import CSRC, load_threaded, split_parts
 
 SOURCE = CSRC / "paged_decode_attention.c"
 # Contraction on: the dot products' and sums' multiply-adds as FMAs (the results stay within
@@ -130,9 +130,5 @@ def load_kernel(
     cache_dir: Path | None = None, max_threads: int | None = None
 ) -> DecodeKernel | None:
     """Build (once per machine and source) and load the kernel; None if it cannot be built.
-    ``max_threads``: the most threads a call may split into (default: the cores this process
-    may run on; each call uses at most ``torch.get_num_threads()`` of them)."""
-    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="the torch path")
-    if loaded is None:
-        return None
-    return DecodeKernel(*loaded, usable_cpus() if max_threads is None else max_threads)
+    ``max_threads``: as :func:`~kernels.cpu.build.load_threaded` says."""
+    return load_threaded(DecodeKernel, SOURCE, FLAGS, cache_dir, "the torch path", max_threads)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import CSRC, load_library, split_parts, usable_cpus
+from kernels.cpu.build import CSRC, load_threaded, split_parts
 from kernels.cpu.paged_decode_attention import MIN_ROWS_PER_THREAD
 
 SOURCE = CSRC / "paged_decode_int8.c"
@@ -147,8 +147,6 @@ class Int8DecodeKernel:
 def load_int8_kernel(
     cache_dir: Path | None = None, max_threads: int | None = None
 ) -> Int8DecodeKernel | None:
-    """Build (once per machine and source) and load the kernel; None if it cannot be built."""
-    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="the torch path")
-    if loaded is None:
-        return None
-    return Int8DecodeKernel(*loaded, usable_cpus() if max_threads is None else max_threads)
+    """Build (once per machine and source) and load the kernel; None if it cannot be built.
+    ``max_threads``: as :func:`~kernels.cpu.build.load_threaded` says."""
+    return load_threaded(Int8DecodeKernel, SOURCE, FLAGS, cache_dir, "the torch path", max_threads)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import CSRC, load_library, split_parts, usable_cpus
+from kernels.cpu.build import CSRC, load_threaded, split_parts
 
 SOURCE = CSRC / "prefill_attention.c"
 # Contracted multiply-adds (FMA): the decode kernel's flags plus -ffp-contract=fast, which
@@ -101,8 +101,6 @@ class PrefillKernel:
 def load_prefill_kernel(
     cache_dir: Path | None = None, max_threads: int | None = None
 ) -> PrefillKernel | None:
-    """Build (once per machine and source) and load the kernel; None if it cannot be built."""
-    loaded = load_library(SOURCE, FLAGS, cache_dir, fallback="SDPA")
-    if loaded is None:
-        return None
-    return PrefillKernel(*loaded, usable_cpus() if max_threads is None else max_threads)
+    """Build (once per machine and source) and load the kernel; None if it cannot be built.
+    ``max_threads``: as :func:`~kernels.cpu.build.load_threaded` says."""
+    return load_threaded(PrefillKernel, SOURCE, FLAGS, cache_dir, "SDPA", max_threads)

@@ -8,6 +8,7 @@ like the attention kernels; without a compiler the torch form serves.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,9 +17,39 @@ from kernels.cpu.build import CSRC, load_library
 
 SOURCE = CSRC / "rope.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
-MAX_HEAD_DIM = 512  # the kernel's row buffer
+MAX_HEAD_DIM = 512  # the kernels' row buffer (this one's and layer_ops.c's bf16 RoPE)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a C RoPE kernel (this fp32 one, layer_ops.c's bf16 one) rotates these in place:
+    ``x [T, H, D]`` CPU ``dtype`` with heads contiguous in a row (rows may be strided), D even and
+    at most MAX_HEAD_DIM; ``cos``/``sin`` ``[T, 1, D]`` contiguous ``dtype``."""
+    if x.dim() != 3 or x.dtype != dtype or x.device.type != "cpu":
+        return False
+    num_tokens, _, head_dim = x.shape
+    table = (num_tokens, 1, head_dim)
+    return (
+        head_dim % 2 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and x.stride()[1:] == (head_dim, 1)
+        and all(t.shape == table and t.dtype == dtype and t.is_contiguous() for t in (cos, sin))
+    )
+
+
+def rope_in_place(
+    fn: Callable[..., None], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    dtype: torch.dtype, *extra: int,
+) -> bool:  # fmt: skip
+    """``x`` rotated in place by the C RoPE entry point ``fn`` (whose arguments end in
+    ``extra``) if :func:`rope_takes` the inputs (True); else untouched (False)."""
+    if not rope_takes(x, cos, sin, dtype):
+        return False
+    num_tokens, num_heads, head_dim = x.shape
+    fn(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+       *extra)  # fmt: skip
+    return True
 
 
 class RopeKernel:
@@ -30,30 +61,12 @@ class RopeKernel:
 
     @staticmethod
     def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """``x [T, H, D]`` fp32 CPU with heads contiguous in a row (rows may be strided);
-        ``cos``/``sin`` ``[T, 1, D]`` contiguous fp32."""
-        if x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu":
-            return False
-        num_tokens, _, head_dim = x.shape
-        table = (num_tokens, 1, head_dim)
-        return (
-            head_dim % 2 == 0
-            and head_dim <= MAX_HEAD_DIM
-            and x.stride()[1:] == (head_dim, 1)
-            and all(
-                t.shape == table and t.dtype == torch.float32 and t.is_contiguous()
-                for t in (cos, sin)
-            )
-        )
+        """fp32 inputs :func:`rope_takes`."""
+        return rope_takes(x, cos, sin, torch.float32)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """``x`` rotated in place if :meth:`takes` it (True); else untouched (False)."""
-        if not self.takes(x, cos, sin):
-            return False
-        num_tokens, num_heads, head_dim = x.shape
-        self._rope(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), cos.data_ptr(),
-                   sin.data_ptr())  # fmt: skip
-        return True
+        return rope_in_place(self._rope, x, cos, sin, torch.float32)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` rotated in place (and returned); ValueError if :meth:`takes` says no."""

@@ -49,13 +49,16 @@ def _run_point(fn: Callable[[], dict[str, float]]) -> dict[str, Any]:
 
 
 def run_benchmarks() -> dict[str, Any]:
+    from kernels.triton._bench_inputs import BENCH
     from kernels.triton.int8_kv import bench_int8_decode
     from kernels.triton.kv_store import bench_store_kv
     from kernels.triton.paged_decode_attention import bench_paged_decode
     from kernels.triton.prefill_attention import bench_prefill
 
     results: dict[str, Any] = {"decode": [], "int8_decode": [], "prefill": [], "store_kv": []}
-    common = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+    dtype = str(BENCH.dtype).removeprefix("torch.")
+    heads = {"num_q_heads": BENCH.num_q_heads, "num_kv_heads": BENCH.num_kv_heads}
+    common = {**heads, "head_dim": BENCH.head_dim, "dtype": dtype}
     for batch, context_len, num_splits in DECODE_POINTS:
         point = {"batch": batch, "context_len": context_len, "num_splits": num_splits, **common}
         r = _run_point(partial(bench_paged_decode, batch, context_len, num_splits=num_splits))
@@ -81,7 +84,9 @@ def run_benchmarks() -> dict[str, Any]:
         r = _run_point(partial(bench_store_kv, num_tokens))
         if "error" not in r:
             r["speedup_vs_torch"] = r["torch_ms"] / r["ms"]
-        results["store_kv"].append({"num_tokens": num_tokens, "num_kv_heads": 8, **r})
+        results["store_kv"].append(
+            {"num_tokens": num_tokens, "num_kv_heads": BENCH.num_kv_heads, **r}
+        )
     return results
 
 

@@ -18,13 +18,14 @@ Hkv], so `quantize_kv(kv_cache[l, 0][block_ids])` compresses whole blocks of one
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton import _checks
+from kernels.triton._bench_inputs import BENCH, BenchShape, DecodeInputs
 from kernels.triton.int8_ref import dequantize_kv_ref, quantize_kv_ref  # noqa: F401 (its API)
 from kernels.triton.paged_decode_attention import (
     FullPrecisionWindow,
@@ -37,13 +38,19 @@ ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
+def _row_block(num_rows, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's BLOCK_R rows of HEAD_DIM values: their indices, which exist, and the
+    offsets of their elements."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HEAD_DIM)
+    return rows, rows < num_rows, rows[:, None] * HEAD_DIM + offs_d[None, :]
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, x_q_ptr, scale_ptr, num_rows, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, HEAD_DIM)
-    r_mask = rows < num_rows
-    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    rows, r_mask, ptrs = _row_block(num_rows, BLOCK_R, HEAD_DIM)
     x = tl.load(x_ptr + ptrs, mask=r_mask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     # Correctly rounded divisions (div_rn), so GPU, interpreter and torch agree bit for bit.
@@ -59,10 +66,7 @@ def _quantize_kernel(
 def _dequantize_kernel(
     x_q_ptr, scale_ptr, out_ptr, num_rows, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, HEAD_DIM)
-    r_mask = rows < num_rows
-    ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    rows, r_mask, ptrs = _row_block(num_rows, BLOCK_R, HEAD_DIM)
     x_q = tl.load(x_q_ptr + ptrs, mask=r_mask[:, None], other=0).to(tl.float32)
     scale = tl.load(scale_ptr + rows, mask=r_mask, other=0.0)
     out = x_q * scale[:, None]
@@ -80,10 +84,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _checks.check_power_of_two("head_dim", head_dim)
     x_q = torch.empty_like(x, dtype=torch.int8)
     scale = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-    num_rows = scale.numel()
-    if num_rows:
-        grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM),)
-        _quantize_kernel[grid](x, x_q, scale, num_rows, BLOCK_R=ROWS_PER_PROGRAM, HEAD_DIM=head_dim)
+    _launch_rows(_quantize_kernel, scale.numel(), head_dim, x, x_q, scale)
     return x_q, scale
 
 
@@ -102,13 +103,15 @@ def dequantize_kv(
     head_dim = x_q.shape[-1]
     _checks.check_power_of_two("head_dim", head_dim)
     out = torch.empty(x_q.shape, device=x_q.device, dtype=dtype)
-    num_rows = scale.numel()
+    _launch_rows(_dequantize_kernel, scale.numel(), head_dim, x_q, scale, out)
+    return out
+
+
+def _launch_rows(kernel: Any, num_rows: int, head_dim: int, *tensors: torch.Tensor) -> None:
+    """``kernel`` over ``num_rows`` rows of ``head_dim`` values, ROWS_PER_PROGRAM a program."""
     if num_rows:
         grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM),)
-        _dequantize_kernel[grid](
-            x_q, scale, out, num_rows, BLOCK_R=ROWS_PER_PROGRAM, HEAD_DIM=head_dim
-        )
-    return out
+        kernel[grid](*tensors, num_rows, BLOCK_R=ROWS_PER_PROGRAM, HEAD_DIM=head_dim)
 
 
 def paged_decode_attention_int8(
@@ -157,37 +160,21 @@ def paged_decode_attention_int8_ref(
     return out.to(q.dtype)
 
 
-def bench_int8_decode(
-    batch: int,
-    context_len: int,
-    num_q_heads: int = 32,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str = "cuda",
-) -> dict[str, float]:
+def bench_int8_decode(batch: int, context_len: int, shape: BenchShape = BENCH) -> dict[str, float]:
     """Times int8 decode beside the bf16 kernel on the same (dequantized) KV (CUDA only)."""
     from triton.testing import do_bench
 
-    blocks_per_seq = triton.cdiv(context_len, block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_q, k_s = quantize_kv(torch.randn(shape, device=device, dtype=dtype))
-    v_q, v_s = quantize_kv(torch.randn(shape, device=device, dtype=dtype))
-    k_cache, v_cache = dequantize_kv(k_q, k_s, dtype), dequantize_kv(v_q, v_s, dtype)
-    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)
-    block_tables = block_tables.view(batch, blocks_per_seq)
-    context_lens = torch.full((batch,), context_len, device=device, dtype=torch.int32)
-    q = torch.randn(batch, num_q_heads, head_dim, device=device, dtype=dtype)
-    scale = 1.0 / math.sqrt(head_dim)
-    args = (block_tables, context_lens, scale)
+    d = DecodeInputs.random(shape, batch, context_len)
+    k_q, k_s = quantize_kv(d.k_cache)
+    v_q, v_s = quantize_kv(d.v_cache)
+    k_cache, v_cache = dequantize_kv(k_q, k_s, shape.dtype), dequantize_kv(v_q, v_s, shape.dtype)
+    q, args = d.q, (d.block_tables, d.context_lens, d.scale)
     ms = do_bench(lambda: paged_decode_attention_int8(q, k_q, v_q, k_s, v_s, *args))
     ref_ms = do_bench(lambda: paged_decode_attention(q, k_cache, v_cache, *args))
     err = paged_decode_attention_int8(q, k_q, v_q, k_s, v_s, *args).float()
     err -= paged_decode_attention(q, k_cache, v_cache, *args).float()
-    tokens = batch * context_len * num_kv_heads
-    nbytes = 2 * tokens * (head_dim + 4) + 2 * q.numel() * q.element_size()
+    tokens = batch * context_len * shape.num_kv_heads
+    nbytes = 2 * tokens * (shape.head_dim + 4) + 2 * q.numel() * q.element_size()
     return {
         "ms": ms,
         "gb_per_s": nbytes / ms / 1e6,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import _checks
+from kernels.triton._bench_inputs import BENCH, BenchShape
 
 
 @triton.jit
@@ -100,24 +101,15 @@ def store_kv_ref(
 
 
 def bench_store_kv(
-    num_tokens: int,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    num_blocks: int = 4096,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str = "cuda",
+    num_tokens: int, num_blocks: int = 4096, shape: BenchShape = BENCH
 ) -> dict[str, float]:
     """Times the store against the torch indexed copy (CUDA only); bytes = read + written."""
     from triton.testing import do_bench
 
-    k_cache = torch.zeros(
-        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
-    )
-    v_cache = torch.zeros_like(k_cache)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    slot_mapping = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    k_cache, v_cache = shape.cache(num_blocks), shape.cache(num_blocks)
+    k, v = (shape.randn(num_tokens, shape.num_kv_heads, shape.head_dim) for _ in range(2))
+    slot_mapping = torch.randperm(num_blocks * shape.block_size, device=shape.device)
+    slot_mapping = slot_mapping[:num_tokens]
     ms = do_bench(lambda: store_kv(k, v, k_cache, v_cache, slot_mapping))
     torch_ms = do_bench(lambda: store_kv_ref(k, v, k_cache, v_cache, slot_mapping))
     nbytes = 4 * k.numel() * k.element_size()

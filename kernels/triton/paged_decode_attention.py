@@ -23,7 +23,6 @@ takes its positions from whichever holds them, in one online softmax.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import _checks
+from kernels.triton._bench_inputs import BENCH, BenchShape, DecodeInputs
 from kernels.triton._paged_tile import attend_kv_tile
 
 LOG2E = 1.4426950408889634
@@ -369,46 +369,32 @@ def paged_decode_attention_ref(
 
 
 def bench_paged_decode(
-    batch: int,
-    context_len: int,
-    num_q_heads: int = 32,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    num_splits: int | None = None,
-    device: str = "cuda",
+    batch: int, context_len: int, num_splits: int | None = None, shape: BenchShape = BENCH
 ) -> dict[str, float]:
     """Times the kernel and SDPA on pre-gathered contiguous KV (CUDA only)."""
     from triton.testing import do_bench
 
-    blocks_per_seq = triton.cdiv(context_len, block_size)
-    num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(
-        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
-    )
-    v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)
-    block_tables = block_tables.view(batch, blocks_per_seq)
-    context_lens = torch.full((batch,), context_len, device=device, dtype=torch.int32)
-    q = torch.randn(batch, num_q_heads, head_dim, device=device, dtype=dtype)
-    scale = 1.0 / math.sqrt(head_dim)
+    d = DecodeInputs.random(shape, batch, context_len)
 
     def run() -> torch.Tensor:
         return paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits
-        )
+            d.q, d.k_cache, d.v_cache, d.block_tables, d.context_lens, d.scale,
+            num_splits=num_splits,
+        )  # fmt: skip
 
     ms = do_bench(run)
-    k = torch.stack([gather_kv(k_cache, block_tables[b], context_len) for b in range(batch)])
-    v = torch.stack([gather_kv(v_cache, block_tables[b], context_len) for b in range(batch)])
+    k, v = (
+        torch.stack([gather_kv(cache, d.block_tables[b], context_len) for b in range(batch)])
+        for cache in (d.k_cache, d.v_cache)
+    )
     k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, Hkv, T, D]
-    q4 = q.unsqueeze(2)
+    q4 = d.q.unsqueeze(2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    sdpa_ms = do_bench(lambda: sdpa(q4, k, v, scale=scale, enable_gqa=True))
-    elem = q.element_size()
-    nbytes = 2 * batch * context_len * num_kv_heads * head_dim * elem + 2 * q.numel() * elem
-    max_err = run().float() - sdpa(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0].float()
+    sdpa_ms = do_bench(lambda: sdpa(q4, k, v, scale=d.scale, enable_gqa=True))
+    elem = d.q.element_size()
+    nbytes = 2 * batch * context_len * shape.num_kv_heads * shape.head_dim * elem
+    nbytes += 2 * d.q.numel() * elem
+    max_err = run().float() - sdpa(q4, k, v, scale=d.scale, enable_gqa=True)[:, :, 0].float()
     return {
         "ms": ms,
         "gb_per_s": nbytes / ms / 1e6,

@@ -18,16 +18,42 @@ read.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton import _checks
+from kernels.triton._bench_inputs import BENCH, BenchShape
 from kernels.triton._paged_tile import attend_kv_tile
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_span(
+    q, acc, l_i, m_i, lo, hi, pos_m, seq_len, window,
+    k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, stride_kb, stride_kt, stride_kh,
+    qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Positions [lo, hi) of the sequence, BLOCK_N at a time, folded into the query rows at
+    positions pos_m: those past seq_len never seen, with CAUSAL those past each row's own
+    position, with HAS_WINDOW those before each row's window."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < seq_len
+        visible = n_valid[None, :]
+        if CAUSAL:
+            visible = (offs_n[None, :] <= pos_m[:, None]) & n_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
+        acc, l_i, m_i = attend_kv_tile(
+            q, acc, l_i, m_i, offs_n, n_valid, visible,
+            k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
+            BLOCK_SIZE, HEAD_DIM, False,
+        )  # fmt: skip
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -87,33 +113,19 @@ def _prefill_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(prefix_len + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
     full_end = (prefix_len + m0) // BLOCK_N * BLOCK_N
-    for n0 in range(lo, full_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < seq_len
-        visible = n_valid[None, :]
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
-        acc, l_i, m_i = attend_kv_tile(
-            q, acc, l_i, m_i, offs_n, n_valid, visible,
-            k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, False,
-        )  # fmt: skip
+    acc, l_i, m_i = _attend_span(
+        q, acc, l_i, m_i, lo, full_end, pos_m, seq_len, window,
+        k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, stride_kb, stride_kt, stride_kh,
+        qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, HAS_WINDOW,
+    )  # fmt: skip
     # Phase 2: the diagonal. Its first tile starts at or below every row's own position, so
     # each row (padding rows too) sees at least one key by its end.
     causal_end = tl.minimum(seq_len, prefix_len + m0 + BLOCK_M)
-    for n0 in range(full_end, causal_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < seq_len
-        visible = (offs_n[None, :] <= pos_m[:, None]) & n_valid[None, :]
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
-        acc, l_i, m_i = attend_kv_tile(
-            q, acc, l_i, m_i, offs_n, n_valid, visible,
-            k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, 0, 0, 0, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, False,
-        )  # fmt: skip
+    acc, l_i, m_i = _attend_span(
+        q, acc, l_i, m_i, full_end, causal_end, pos_m, seq_len, window,
+        k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, stride_kb, stride_kt, stride_kh,
+        qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, HAS_WINDOW,
+    )  # fmt: skip
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + tokens[:, None] * stride_ot + q_head * stride_oh + offs_d[None, :]
@@ -236,15 +248,7 @@ def prefill_attention_ref(
     return out
 
 
-def bench_prefill(
-    q_lens: list[int],
-    num_q_heads: int = 32,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str = "cuda",
-) -> dict[str, float]:
+def bench_prefill(q_lens: list[int], shape: BenchShape = BENCH) -> dict[str, float]:
     """Times a from-scratch causal prefill of equal-length prompts against SDPA is_causal on
     contiguous [B, H, L, D] tensors (CUDA only). Both do the same causal FLOPs."""
     from triton.testing import do_bench
@@ -252,46 +256,37 @@ def bench_prefill(
     if len(set(q_lens)) != 1:
         raise ValueError("the SDPA baseline needs equal prompt lengths")
     batch, q_len = len(q_lens), q_lens[0]
-    blocks_per_seq = triton.cdiv(q_len, block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (batch, q_len, num_kv_heads, head_dim)
-    k, v = (
-        torch.randn(shape, device=device, dtype=dtype),
-        torch.randn(shape, device=device, dtype=dtype),
-    )
-    k_cache = torch.zeros(
-        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
-    )
-    v_cache = torch.zeros_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)
-    block_tables = block_tables.view(batch, blocks_per_seq)
-    pos = torch.arange(q_len, device=device)
-    slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size
-    k_cache.flatten(0, 1)[slots.flatten()] = k.flatten(0, 1)
-    v_cache.flatten(0, 1)[slots.flatten()] = v.flatten(0, 1)
-    q = torch.randn(batch * q_len, num_q_heads, head_dim, device=device, dtype=dtype)
-    cu_seqlens_q = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * q_len
-    seq_lens = torch.full((batch,), q_len, device=device, dtype=torch.int32)
-    scale = 1.0 / math.sqrt(head_dim)
+    k, v = (shape.randn(batch, q_len, shape.num_kv_heads, shape.head_dim) for _ in range(2))
+    block_tables = shape.block_tables(batch, q_len)
+    k_cache, v_cache = shape.cache(block_tables.numel()), shape.cache(block_tables.numel())
+    pos = torch.arange(q_len, device=shape.device)
+    slots = block_tables.long()[:, pos // shape.block_size] * shape.block_size
+    slots = (slots + pos % shape.block_size).flatten()
+    k_cache.flatten(0, 1)[slots] = k.flatten(0, 1)
+    v_cache.flatten(0, 1)[slots] = v.flatten(0, 1)
+    q = shape.randn(batch * q_len, shape.num_q_heads, shape.head_dim)
+    cu_seqlens_q = torch.arange(0, batch + 1, device=shape.device, dtype=torch.int32) * q_len
+    seq_lens = torch.full((batch,), q_len, device=shape.device, dtype=torch.int32)
 
     def run() -> torch.Tensor:
         return prefill_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q=q_len
-        )
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, shape.scale,
+            max_seqlen_q=q_len,
+        )  # fmt: skip
 
     ms = do_bench(run)
-    q4 = q.view(batch, q_len, num_q_heads, head_dim).transpose(1, 2).contiguous()
+    q4 = q.view(batch, q_len, shape.num_q_heads, shape.head_dim).transpose(1, 2).contiguous()
     k4, v4 = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def run_sdpa() -> torch.Tensor:
-        return sdpa(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+        return sdpa(q4, k4, v4, is_causal=True, scale=shape.scale, enable_gqa=True)
 
     sdpa_ms = do_bench(run_sdpa)
     err = run().float() - run_sdpa().transpose(1, 2).flatten(0, 1).float()
     # QK^T and PV: 2 matmuls x 2 FLOP per multiply-add over the visible (query, key) pairs.
     pairs = batch * q_len * (q_len + 1) / 2
-    flops = 4 * pairs * num_q_heads * head_dim
+    flops = 4 * pairs * shape.num_q_heads * shape.head_dim
     return {
         "ms": ms,
         "tflops": flops / ms / 1e9,

@@ -8,15 +8,8 @@ import pytest
 
 from services.detokenizer.batching import reply_messages
 from shared.wire.errors import ProtocolError
-from shared.wire.replies import (
-    DoneReply,
-    ErrorReply,
-    Reply,
-    TokenReply,
-    decode_replies,
-    decode_reply,
-    encode_reply_batch,
-)
+from shared.wire.messages import DoneReply, ErrorReply, Reply, TokenReply
+from shared.wire.replies import decode_replies, decode_reply, encode_reply_batch
 
 LIMIT = 1 << 20
 

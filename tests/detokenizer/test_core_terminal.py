@@ -9,15 +9,7 @@ from structlog.testing import capture_logs
 
 from services.detokenizer.core import ORPHAN_EVENT_TTL_S, DetokenizerCore, Output
 from shared.wire.messages import DoneReply, ErrorReply, TokenReply
-from tests.detokenizer.helpers import (
-    STORY,
-    T0,
-    Decode,
-    Harness,
-    cut_at,
-    ev,
-    info,
-)
+from tests.detokenizer.helpers import STORY, T0, Decode, Harness, cut_at, ev, info
 
 
 def test_stop_string_ends_the_request_and_aborts_workers(

@@ -12,23 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from shared.config import BatonConfig
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.decode import DecodeEngine
 from shared.engine.engine import EngineCore
-from shared.engine.outputs import AddResult, NewRequest, StepOutput
-from tests.engine.test_swap_preemption import MAX_TOKENS, PROMPTS, Wiring
-from tests.runtime.helpers import (
-    EnginePair,
-    ForwardLog,
-    engine_config,
-    greedy,
-    hf_greedy,
-    tiny_model_dir,
-    torch_threads,
+from shared.engine.outputs import StepOutput
+from tests.engine.test_swap_preemption import (
+    MAX_TOKENS,
+    PROMPTS,
+    Wiring,
+    hf_completions,
+    run_ring,
 )
+from tests.runtime.helpers import EnginePair, ForwardLog, engine_config, greedy, tiny_model_dir
 
 BLOCK_BYTES = 8192  # the tiny llama: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x fp32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,10 +43,8 @@ def expected(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[
         plain = serve(
             model_dir, [build_decode_engine(config.replace(device=DEVICE), model_dir)], config
         )
-        return [plain.completion(f"r{i}") for i in range(len(PROMPTS))]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    with torch_threads(1):
-        return [hf_greedy(hf, p, greedy(MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+        return plain.completions()
+    return hf_completions(model_dir, PROMPTS, [MAX_TOKENS] * len(PROMPTS))
 
 
 def watch_host_blocks(engine: EngineCore) -> Callable[[], int]:
@@ -70,22 +65,7 @@ def watch_host_blocks(engine: EngineCore) -> Callable[[], int]:
 def serve(model_dir: Path, decoders: list[DecodeEngine], config: BatonConfig) -> Wiring:
     """Prefill hands off to the first decoder; what one swaps out goes to the next."""
     prefill = build_prefill_engine(config.replace(num_kv_blocks=64, device=DEVICE), model_dir)
-    wiring = Wiring(PROMPTS)
-    for i, prompt in enumerate(PROMPTS):
-        assert prefill.add(NewRequest(f"r{i}", prompt, greedy(MAX_TOKENS, True))) is AddResult.ADDED
-    with torch_threads(1):
-        for _ in range(500):
-            if not any(e.has_work() for e in (prefill, *decoders)):
-                break
-            out = prefill.step()
-            wiring.collect(out)
-            wiring.deliver(out.handoffs, decoders[0])
-            for k, engine in enumerate(decoders):
-                out = engine.step()
-                wiring.collect(out)
-                wiring.deliver(out.handoffs, decoders[(k + 1) % len(decoders)])
-    assert wiring.finished == set(wiring.tokens)
-    return wiring
+    return run_ring(prefill, decoders)
 
 
 def test_sequences_beyond_the_device_pool_run_from_the_host_tier(
@@ -107,7 +87,7 @@ def test_sequences_beyond_the_device_pool_run_from_the_host_tier(
     assert log.prefills == []  # every prompt's KV was loaded (into host blocks too), none rebuilt
     assert most_on_host() >= 8 and tier.num_staged_blocks > 0 and tier.num_written_back_blocks > 0
     assert decode.block_manager.num_used_blocks == 0
-    assert [wiring.completion(f"r{i}") for i in range(len(PROMPTS))] == expected
+    assert wiring.completions() == expected
 
 
 def test_a_sequence_holding_host_blocks_swaps_out_and_in(
@@ -134,7 +114,7 @@ def test_a_sequence_holding_host_blocks_swaps_out_and_in(
         assert engine.block_manager.num_used_blocks == 0
     assert tiers[0].num_staged_blocks > 0 and tiers[1].num_written_back_blocks > 0
     assert not list((tmp_path / "spill").rglob("*.kv"))
-    assert [wiring.completion(f"r{i}") for i in range(len(PROMPTS))] == expected
+    assert wiring.completions() == expected
 
 
 @pytest.mark.parametrize("transport", ["shm", "pool"] if DEVICE == "cpu" else ["shm"])
@@ -169,7 +149,5 @@ def test_prefill_chunks_long_prompts_through_its_host_tier(
     assert len(pair.handoffs) == len(prompts)
     assert by_transport == ({"shm"} if transport == "shm" else {"shm", "pool"})
     if DEVICE == "cpu":
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-        with torch_threads(1):
-            for i, prompt in enumerate(prompts):
-                assert got[f"r{i}"] == hf_greedy(hf, prompt, greedy(8, ignore_eos=True)), i
+        want = hf_completions(model_dir, prompts, [8] * len(prompts))
+        assert [got[f"r{i}"] for i in range(len(prompts))] == want

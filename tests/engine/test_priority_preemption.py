@@ -12,19 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
 
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.outputs import AddResult, NewRequest
-from tests.engine.test_swap_preemption import Wiring
-from tests.runtime.helpers import (
-    ForwardLog,
-    engine_config,
-    greedy,
-    hf_greedy,
-    tiny_model_dir,
-    torch_threads,
+from tests.engine.test_swap_preemption import (
+    Wiring,
+    hf_completions,
 )
+from tests.runtime.helpers import ForwardLog, engine_config, greedy, tiny_model_dir, torch_threads
 
 LONG, SHORT = 48, 8  # output tokens: priority-0 generations, the urgent request
 PROMPTS = [[(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((19, 26, 33, 22))]
@@ -99,10 +94,4 @@ def test_urgent_request_preempts_a_full_batch_and_the_victim_resumes_elsewhere(
         assert log.prefills == []  # and no KV rebuilt
         assert engine.block_manager.num_used_blocks == 0
     assert not list((tmp_path / "spill").rglob("*.kv"))
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    with torch_threads(1):
-        for i, prompt in enumerate(PROMPTS):
-            rid = f"r{i}"
-            expected = hf_greedy(hf, prompt, greedy(max_tokens[rid], ignore_eos=True))
-            assert wiring.completion(rid) == expected, rid
+    assert wiring.completions() == hf_completions(model_dir, PROMPTS, list(max_tokens.values()))

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from shared.config import BatonConfig
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.decode import DecodeEngine
+from shared.engine.engine import EngineCore
 from shared.engine.outputs import AddResult, Handoff, NewRequest, StepOutput
 from tests.runtime.helpers import (
     ForwardLog,
@@ -61,6 +62,43 @@ class Wiring:
         got = self.tokens[rid]
         return [got[i] for i in range(len(got))]
 
+    def completions(self) -> list[list[int]]:
+        """Every request's tokens, in the prompts' order."""
+        return [self.completion(f"r{i}") for i in self.prompts]
+
+
+def run_ring(prefill: EngineCore, decoders: list[DecodeEngine]) -> Wiring:
+    """PROMPTS through ``prefill``, which hands off to the first decoder; what a decoder swaps
+    out goes to the next one (the last's to the first), until every request has finished."""
+    wiring = Wiring(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        assert prefill.add(NewRequest(f"r{i}", prompt, greedy(MAX_TOKENS, True))) is AddResult.ADDED
+    with torch_threads(1):
+        for _ in range(500):
+            if not any(e.has_work() for e in (prefill, *decoders)):
+                break
+            out = prefill.step()
+            wiring.collect(out)
+            wiring.deliver(out.handoffs, decoders[0])
+            for k, engine in enumerate(decoders):
+                out = engine.step()
+                wiring.collect(out)
+                wiring.deliver(out.handoffs, decoders[(k + 1) % len(decoders)])
+    assert wiring.finished == set(wiring.tokens)
+    return wiring
+
+
+def hf_completions(
+    model_dir: Path, prompts: list[list[int]], max_tokens: list[int]
+) -> list[list[int]]:
+    """Hugging Face's greedy output of each prompt (EOS ignored), on one thread."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    with torch_threads(1):
+        return [
+            hf_greedy(hf, prompt, greedy(n, ignore_eos=True))
+            for prompt, n in zip(prompts, max_tokens, strict=True)
+        ]
+
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
@@ -78,22 +116,7 @@ def test_sequences_swapped_out_on_one_decode_worker_resume_on_the_other(
     decode_a = build_decode_engine(config(10), model_dir)
     decode_b = build_decode_engine(config(64), model_dir)
     logs = ForwardLog(decode_a.runner), ForwardLog(decode_b.runner)
-    wiring = Wiring(PROMPTS)
-    for i, prompt in enumerate(PROMPTS):
-        assert prefill.add(NewRequest(f"r{i}", prompt, greedy(MAX_TOKENS, True))) is AddResult.ADDED
-    with torch_threads(1):
-        for _ in range(500):
-            if not any(e.has_work() for e in (prefill, decode_a, decode_b)):
-                break
-            out = prefill.step()
-            wiring.collect(out)
-            wiring.deliver(out.handoffs, decode_a)
-            for engine, other in ((decode_a, decode_b), (decode_b, decode_a)):
-                out = engine.step()
-                wiring.collect(out)
-                wiring.deliver(out.handoffs, other)
-    assert wiring.finished == set(wiring.tokens)
-
+    wiring = run_ring(prefill, [decode_a, decode_b])
     assert decode_a.scheduler.num_swaps > 0 and decode_b.num_swaps_in > 0
     # B resumed them from the spill store on its prefetch thread, overlapped with its steps.
     assert decode_b.prefetch is not None and decode_b.prefetch.num_started == decode_b.num_swaps_in
@@ -102,12 +125,7 @@ def test_sequences_swapped_out_on_one_decode_worker_resume_on_the_other(
         assert log.prefills == []  # and no KV rebuilt: every forward was a decode step
         assert engine.block_manager.num_used_blocks == 0
     assert not list((tmp_path / "spill").rglob("*.kv"))  # every swapped-out entry was read
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    with torch_threads(1):
-        for i, prompt in enumerate(PROMPTS):
-            expected = hf_greedy(hf, prompt, greedy(MAX_TOKENS, ignore_eos=True))
-            assert wiring.completion(f"r{i}") == expected, i
+    assert wiring.completions() == hf_completions(model_dir, PROMPTS, [MAX_TOKENS] * len(PROMPTS))
 
 
 def test_recompute_mode_keeps_the_sequence_here(model_dir: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shared.kv_transfer import PoolConnector
-from shared.wire.messages import KVRelease
+from shared.wire.messages import KVDescriptor, KVRelease
 from tests.kv.helpers import BLOCK_SIZE, SHAPE, fill, receiver, sender, wire, wire_release
 
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
@@ -22,6 +22,17 @@ BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return tmp_path / "spill"
+
+
+def sent(
+    tx: PoolConnector, rid: str, blocks: list[int], num_tokens: int, seed: int
+) -> tuple[torch.Tensor, KVDescriptor]:
+    """``blocks`` of the sender filled with known values (``seed``), then sent as ``rid``: the
+    values and the descriptor."""
+    values = fill(tx, blocks, seed=seed)
+    desc = tx.send(rid, blocks, num_tokens=num_tokens)
+    assert desc is not None
+    return values, desc
 
 
 def test_handoff_copies_exact_bytes_and_frees_once_on_release(root: Path) -> None:
@@ -63,9 +74,7 @@ def test_half_precision_round_trip_is_bit_exact(root: Path, dtype: torch.dtype) 
 
 def test_prefix_hit_blocks_are_not_copied(root: Path) -> None:
     tx, rx = sender(root), receiver(root)
-    values = fill(tx, [4, 6], seed=2)
-    desc = tx.send("r", [4, 6], num_tokens=8)
-    assert desc is not None
+    values, desc = sent(tx, "r", [4, 6], 8, seed=2)
     res = rx.load(desc, [5], first_block=1)  # block 0 was a prefix hit on the receiver
     assert res.loaded and res.nbytes == BLOCK_BYTES
     assert torch.equal(rx.kv_cache[:, :, 5], values[:, :, 1])
@@ -78,9 +87,7 @@ def test_prefix_hit_blocks_are_not_copied(root: Path) -> None:
 
 def test_lease_expiry_frees_an_orphan_and_its_descriptor_is_then_refused(root: Path) -> None:
     tx, rx = sender(root, lease_s=5.0), receiver(root)
-    fill(tx, [1, 2], seed=3)
-    desc = tx.send("orphan", [1, 2], num_tokens=8)
-    assert desc is not None
+    _, desc = sent(tx, "orphan", [1, 2], 8, seed=3)
     assert tx.pop_freeable(time.time()) == []
     assert tx.pop_freeable(time.time() + 10) == ["orphan"]  # decode died: nobody released
     assert tx.num_leases_expired == 1 and tx.num_pinned_blocks == 0
@@ -96,9 +103,7 @@ def test_lease_expiry_frees_an_orphan_and_its_descriptor_is_then_refused(root: P
 
 def test_receiver_does_not_start_a_copy_when_the_lease_is_about_to_end(root: Path) -> None:
     tx, rx = sender(root, lease_s=0.5), receiver(root, lease_margin_s=1.0)
-    fill(tx, [0], seed=5)
-    desc = tx.send("r", [0], num_tokens=3)
-    assert desc is not None
+    _, desc = sent(tx, "r", [0], 3, seed=5)
     res = rx.load(desc, [2], 0)
     assert not res.loaded and rx.num_stale_loads == 1 and (rx.kv_cache == -1).all()
     assert res.release is not None
@@ -108,9 +113,7 @@ def test_receiver_does_not_start_a_copy_when_the_lease_is_about_to_end(root: Pat
 
 def test_redelivered_handoff_loads_while_pinned_and_is_refused_after_release(root: Path) -> None:
     tx, rx = sender(root), receiver(root)
-    values = fill(tx, [3, 4], seed=6)
-    desc = tx.send("r", [3, 4], num_tokens=8)
-    assert desc is not None
+    values, desc = sent(tx, "r", [3, 4], 8, seed=6)
     first, again = rx.load(desc, [0, 1], 0), rx.load(desc, [6, 7], 0)  # decode redelivery
     assert first.loaded and again.loaded
     assert torch.equal(rx.kv_cache[:, :, [6, 7]], values)

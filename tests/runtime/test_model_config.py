@@ -23,6 +23,15 @@ BASE = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
 }
+# Llama 3's RoPE scaling, with an original context short enough for the tiny sizes to reach it.
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_theta": 5e5,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def test_llama_defaults_and_eos_merge() -> None:
@@ -78,19 +87,7 @@ def test_rope_layouts() -> None:
     assert old == new and old.rope_theta == 5e5
     base = ModelConfig.from_dict({**BASE, "rope_theta": 5e5})
     assert torch.allclose(new.inv_freq(), base.inv_freq() / 2)
-    llama3 = ModelConfig.from_dict(
-        {
-            **BASE,
-            "rope_parameters": {
-                "rope_theta": 5e5,
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        }
-    )
+    llama3 = ModelConfig.from_dict({**BASE, "rope_parameters": LLAMA3_ROPE})
     inv = llama3.inv_freq()
     assert inv[0] == base.inv_freq()[0]  # high frequency: untouched
     assert math.isclose(inv[-1].item(), base.inv_freq()[-1].item() / 8, rel_tol=1e-6)
@@ -102,18 +99,10 @@ def test_matches_transformers_rope_for_llama3() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = {
-        "rope_theta": 5e5,
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
     sizes: dict[str, Any] = {k: v for k, v in BASE.items() if k != "architectures"}
-    hf_cfg = LlamaConfig(**sizes, rope_parameters=params)
+    hf_cfg = LlamaConfig(**sizes, rope_parameters=dict(LLAMA3_ROPE))
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
-    ours = ModelConfig.from_dict({**BASE, "rope_parameters": params}).inv_freq()
+    ours = ModelConfig.from_dict({**BASE, "rope_parameters": LLAMA3_ROPE}).inv_freq()
     assert torch.equal(ours, expected)
 
 

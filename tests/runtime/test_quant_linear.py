@@ -86,6 +86,14 @@ def _random_blocks(n: int, k: int, qtype: QuantType, g: torch.Generator) -> torc
     return raw
 
 
+def _seeded_weight(
+    seed: int, n: int, k: int, qtype: QuantType
+) -> tuple[torch.Generator, torch.Tensor]:
+    """A generator seeded with ``seed``, and a random ``[n, k]`` weight it drew, quantized."""
+    g = torch.Generator().manual_seed(seed)
+    return g, quantize(torch.randn(n, k, generator=g), qtype)
+
+
 def _same_bits(a: torch.Tensor, b: np.ndarray) -> None:
     assert a.dtype == torch.float32 and tuple(a.shape) == b.shape
     got, want = a.numpy().view(np.uint32), b.astype(np.float32).view(np.uint32)
@@ -144,8 +152,7 @@ Linear = Callable[[torch.Tensor, QuantType, int, torch.Tensor, torch.Tensor | No
 
 def _check_int8(linear: Linear, qtype: QuantType, n: int, k: int, rows: list[int]) -> float:
     """An int8 kernel on x[:m] for each m in rows against the bound; the worst error/bound."""
-    g = torch.Generator().manual_seed(n * 7919 + k * 31 + int(qtype))
-    raw = quantize(torch.randn(n, k, generator=g), qtype)
+    g, raw = _seeded_weight(n * 7919 + k * 31 + int(qtype), n, k, qtype)
     w = dequantize(raw, qtype, k)
     x = torch.randn(max(rows), k, generator=g) * (1 + 4 * torch.rand(max(rows), 1, generator=g))
     x[0, :BLOCK] = 0.0  # a zero block: dx = 0
@@ -171,8 +178,7 @@ ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 64, 65, 200]
 
 def _check_f32(kernels: QuantKernels, qtype: QuantType, n: int, k: int, rows: list[int]) -> None:
     """The fp32 kernel on x[:m] against F.linear on the dequantized weight: fp32 sums' order."""
-    g = torch.Generator().manual_seed(n * 7919 + k * 31 + int(qtype) + 1)
-    raw = quantize(torch.randn(n, k, generator=g), qtype)
+    g, raw = _seeded_weight(n * 7919 + k * 31 + int(qtype) + 1, n, k, qtype)
     w = dequantize(raw, qtype, k)
     x = torch.randn(max(rows), k, generator=g) * (1 + 4 * torch.rand(max(rows), 1, generator=g))
     bias = torch.randn(n, generator=g)
@@ -232,8 +238,7 @@ def test_int8_error_is_activation_rounding_sized(kernels: QuantKernels) -> None:
 def test_many_rows_are_exactly_f_linear_on_the_dequantized_weight(
     kernels: QuantKernels, qtype: QuantType
 ) -> None:
-    g = torch.Generator().manual_seed(20 + int(qtype))
-    raw = quantize(torch.randn(192, 576, generator=g), qtype)
+    g, raw = _seeded_weight(20 + int(qtype), 192, 576, qtype)
     weight = QuantWeight(raw, qtype, 576, kernels)
     x = torch.randn(INT8_MAX_ROWS + 3, 576, generator=g)
     bias = torch.randn(192, generator=g)
@@ -253,13 +258,13 @@ def test_a_weight_too_big_for_the_scratch_is_dequantized_per_call(
     assert torch.equal(QuantWeight(raw, QuantType.Q4_0, 96, kernels).linear(x), want)
 
 
-@pytest.mark.parametrize("mode", SMALL_MODES)
-def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels, mode: str) -> None:
+def _check_bits_never_change(weigh: Callable[[torch.Tensor, QuantType], QuantWeight]) -> None:
+    """The same bits whatever the threads, the batch or the tile an x row sits in, for
+    ``weigh(raw, qtype)``: the weight under test over 577 rows of 576, and over its first five."""
     g = torch.Generator().manual_seed(3)
     for qtype in TYPES:
         raw = quantize(torch.randn(577, 576, generator=g), qtype)
-        # the small kernel for every batch here (19 rows)
-        weight = QuantWeight(raw, qtype, 576, kernels, small_mode=mode, small_max_rows=64)
+        weight = weigh(raw, qtype)
         x = torch.randn(19, 576, generator=g)
         with torch_threads(1):
             one = weight.linear(x)
@@ -269,13 +274,19 @@ def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels, mod
             assert torch.equal(weight.linear(x[:1]), one[:1])
         for i in (0, 8, 18):  # alone, or in any tile of a batch: the same sums
             assert torch.equal(weight.linear(x[i : i + 1]), one[i : i + 1])
-        fewer = QuantWeight(raw[:5], qtype, 576, kernels, small_mode=mode, small_max_rows=64)
-        assert torch.equal(fewer.linear(x), one[:, :5])
+        assert torch.equal(weigh(raw[:5], qtype).linear(x), one[:, :5])
+
+
+@pytest.mark.parametrize("mode", SMALL_MODES)
+def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels, mode: str) -> None:
+    # the small kernel for every batch here (19 rows)
+    _check_bits_never_change(
+        lambda raw, qtype: QuantWeight(raw, qtype, 576, kernels, small_mode=mode, small_max_rows=64)
+    )
 
 
 def test_both_small_modes_and_the_threshold_are_reachable(kernels: QuantKernels) -> None:
-    g = torch.Generator().manual_seed(12)
-    raw = quantize(torch.randn(64, 96, generator=g), QuantType.Q4_1)
+    g, raw = _seeded_weight(12, 64, 96, QuantType.Q4_1)
     x = torch.randn(6, 96, generator=g)
     w = dequantize(raw, QuantType.Q4_1, 96)
     f32 = QuantWeight(raw, QuantType.Q4_1, 96, kernels, small_mode="f32")
@@ -314,8 +325,7 @@ def test_non_finite_x(kernels: QuantKernels) -> None:
 
 
 def test_bf16_strided_bias_and_refusals(kernels: QuantKernels) -> None:
-    g = torch.Generator().manual_seed(4)
-    raw = quantize(torch.randn(64, 96, generator=g), QuantType.Q4_1)
+    g, raw = _seeded_weight(4, 64, 96, QuantType.Q4_1)
     weight = QuantWeight(raw, QuantType.Q4_1, 96, kernels)
     x = torch.randn(5, 96, generator=g)
     bias = torch.randn(64, generator=g)

@@ -13,16 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import quant_linear as cpu_quant_linear
-from kernels.cpu.quant_formats import BLOCK, QuantType, block_bytes, dequantize, quantize
+from kernels.cpu.quant_formats import BLOCK, QuantType, block_bytes, dequantize
 from kernels.cpu.quant_linear import QuantKernels, QuantWeight, load_quant_kernels
-from tests.runtime.helpers import built_or_skip, torch_threads
+from tests.runtime.helpers import built_or_skip
 from tests.runtime.test_quant_linear import (
     ROWS,
     TYPES,
     Linear,
+    _check_bits_never_change,
     _check_int8,
     _check_non_finite,
     _random_blocks,
+    _seeded_weight,
 )
 
 TR = 16  # rows a tile holds
@@ -109,8 +111,7 @@ def test_the_row_layouts_kernel_up_to_summation_order(
     kernels: QuantKernels, qtype: QuantType
 ) -> None:
     """The same rounding of x, the same integer dots: only the fp32 sums' order differs."""
-    g = torch.Generator().manual_seed(40 + int(qtype))
-    raw = quantize(torch.randn(200, 576, generator=g), qtype)
+    g, raw = _seeded_weight(40 + int(qtype), 200, 576, qtype)
     x = torch.randn(19, 576, generator=g)
     tiled = _tiled_linear(kernels)(raw, qtype, 576, x, None)
     rows = kernels.linear(raw, qtype, 576, x, None)
@@ -120,28 +121,17 @@ def test_the_row_layouts_kernel_up_to_summation_order(
 
 
 def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels) -> None:
-    g = torch.Generator().manual_seed(3)
-    for qtype in TYPES:
-        raw = quantize(torch.randn(577, 576, generator=g), qtype)
+    def tiled(raw: torch.Tensor, qtype: QuantType) -> QuantWeight:
         weight = QuantWeight(raw, qtype, 576, kernels)
-        assert weight.tile() and weight.tiled and weight.raw.shape[0] == 592
-        x = torch.randn(19, 576, generator=g)
-        with torch_threads(1):
-            one = weight.linear(x)
-        with torch_threads(2):
-            assert cpu_quant_linear.linear_parts(19, 577, 576) == 2
-            assert torch.equal(weight.linear(x), one)
-            assert torch.equal(weight.linear(x[:1]), one[:1])
-        for i in (0, 8, 18):  # alone, or in any tile of a batch: the same sums
-            assert torch.equal(weight.linear(x[i : i + 1]), one[i : i + 1])
-        fewer = QuantWeight(raw[:5], qtype, 576, kernels)
-        assert fewer.tile()
-        assert torch.equal(fewer.linear(x), one[:, :5])
+        padded = (raw.shape[0] + TR - 1) // TR * TR  # 577 rows: 592
+        assert weight.tile() and weight.tiled and weight.raw.shape[0] == padded
+        return weight
+
+    _check_bits_never_change(tiled)
 
 
 def test_a_tiled_weight_serves_every_method(kernels: QuantKernels) -> None:
-    g = torch.Generator().manual_seed(9)
-    raw = quantize(torch.randn(50, 96, generator=g), QuantType.Q4_1)
+    g, raw = _seeded_weight(9, 50, 96, QuantType.Q4_1)
     plain = QuantWeight(raw, QuantType.Q4_1, 96, kernels)
     weight = QuantWeight(raw.clone(), QuantType.Q4_1, 96, kernels)
     assert weight.tile() and weight.tile()  # once; again is a no-op

@@ -1,9 +1,11 @@
 /* GGML's quantized blocks as both quantized-linear kernels read them (quant_linear.c, the row
  * layout; quant_tiles.c, the tiled one): type ids (gguf's GGMLQuantizationType), block sizes,
- * and the fp16 scale read exactly. Included by each source; the native build keys a library on
- * the headers its source includes (kernels/cpu/build.py). */
+ * the fp16 scale read exactly, and x quantized per block for their int8 dot products. Included
+ * by each source; the native build keys a library on the headers its source includes
+ * (kernels/cpu/build.py). */
 #ifndef BATON_GGML_BLOCKS_H
 #define BATON_GGML_BLOCKS_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
@@ -19,6 +21,13 @@
 static int64_t block_bytes(int64_t qtype)
 {
     return qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_0 ? 18 : qtype == QT_Q4_1 ? 20 : 0;
+}
+
+/* Blocks in a row of k values of qtype; 0 for an unknown type or k not a nonzero multiple of 32
+ * (what the entry points refuse). */
+static inline int64_t row_blocks(int64_t qtype, int64_t k)
+{
+    return block_bytes(qtype) != 0 && k % QK == 0 && k != 0 ? k / QK : 0;
 }
 
 static inline uint16_t rd16(const uint8_t *p)
@@ -57,5 +66,50 @@ static inline float f16_to_f32(uint16_t h)
     return f;
 #endif
 }
+
+/* One block of x as the int8 kernels read it: its 32 int8 values in order (q; as dwords, q4, one
+ * per vpdpbusd), the scale dx, and a term of the block's sum sx, aux (each kernel says which). */
+typedef struct {
+    union {
+        int8_t q[32];
+        int32_t q4[8];
+    };
+    float dx;
+    union {
+        int32_t i;
+        float f;
+    } aux;
+} xblock;
+
+#if defined(__AVX512F__)
+/* Row x's nb blocks of 32 quantized as llama.cpp's CPU backend does it (ggml's quantize_row_q8_0
+ * with the scale kept in fp32): dx = amax / 127 (NaN where the block holds a NaN), xq = round(x /
+ * dx) saturated to int8, stored + 128 as unsigned bytes where `offset`; aux = dx * sx * fmul for
+ * Q4_1, imul * sx for the other types. */
+INLINE void quant_row_avx512(const float *x, int64_t nb, int64_t qtype, const int offset,
+                             const float fmul, const int32_t imul, xblock *out)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+        const float d = nan ? NAN : amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        const int32_t sx = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
+        if (offset) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+        _mm256_storeu_si256((__m256i *)out[b].q, q);
+        out[b].dx = d;
+        if (qtype == QT_Q4_1)
+            out[b].aux.f = d * (float)sx * fmul;
+        else
+            out[b].aux.i = imul * sx;
+    }
+}
+#endif
 
 #endif

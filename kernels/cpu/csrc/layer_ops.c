@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec16.h"
+
 typedef union {
     uint32_t u;
     float f;
@@ -118,25 +120,8 @@ void baton_add_rms_norm_f32(float *h, const float *delta, int64_t rows, int64_t 
         add_norm_row(h + r * cols, delta + r * cols, cols, w, eps, out + r * cols, 0);
 }
 
-/* silu(g) * u over 16 lanes in GCC's vector types (the compiler does not vectorise the scalar
- * form). e^-g as Cephes' expf, to ~2 ulp of fp32: -g = n ln2 + r, a degree-6 polynomial in r,
- * times 2^n built in the exponent bits; libm's expf is a scalar call, far slower here. The
- * argument is clamped to [-87.3, 88] (e^x below is taken as 2^-126, above as e^88: silu moves
- * by under 1e-36, its bf16 value not at all). A NaN lane stays NaN; silu(+inf) * u is inf * u,
- * silu(-inf) -inf * u. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline v16f widen16(const uint16_t *p)
-{
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-
-static inline void narrow16(uint16_t *p, v16f f)
+/* Sixteen fp32 lanes to bf16 at p, rounded as narrow() rounds. */
+static inline void narrow16(uint16_t *p, v16 f)
 {
     const v16u u = (v16u)f;
     const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -146,40 +131,25 @@ static inline void narrow16(uint16_t *p, v16f f)
     memcpy(p, &h, sizeof h);
 }
 
-static inline v16f silu_mul16(v16f g, v16f u)
+/* silu(g) * u over 16 lanes in GCC's vector types (vec16.h; the compiler does not vectorise the
+ * scalar form). e^-g as Cephes' expf, to ~2 ulp of fp32 (exp16_clamped); libm's expf is a scalar
+ * call, far slower here. The argument is clamped to [-87.3, 88] (e^x below is taken as 2^-126,
+ * above as e^88: silu moves by under 1e-36, its bf16 value not at all). A NaN lane stays NaN;
+ * silu(+inf) * u is inf * u, silu(-inf) -inf * u. */
+static inline v16 silu_mul16(v16 g, v16 u)
 {
-    v16f x = -g;
-    const v16f zero = {0}, lo = zero - 87.3f, hi = zero + 88.0f; /* NaN fails both tests */
+    v16 x = -g;
+    const v16 zero = {0}, lo = zero - 87.3f, hi = zero + 88.0f; /* NaN fails both tests */
     v16i m = x < lo;
-    x = (v16f)(((v16i)lo & m) | ((v16i)x & ~m));
+    x = (v16)(((v16i)lo & m) | ((v16i)x & ~m));
     m = x > hi;
-    x = (v16f)(((v16i)hi & m) | ((v16i)x & ~m));
-    const v16f t = x * 1.44269504088896341f + 0.5f;
-    v16i ni = __builtin_convertvector(t, v16i); /* truncates: one less where t < 0 */
-    ni += (v16i)(__builtin_convertvector(ni, v16f) > t); /* a true lane is -1 */
-    const v16f n = __builtin_convertvector(ni, v16f);
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v16f e = p * (v16f)((v16u)(ni + 127) << 23);
+    x = (v16)(((v16i)hi & m) | ((v16i)x & ~m));
+    const v16 e = exp16_clamped(x);
     return g / (1.0f + e) * u;
 }
 
-/* Sixteen elements from p as fp32; f stored as sixteen elements at p. */
-INLINE v16f load16(const void *p, int bf16)
-{
-    if (bf16) return widen16(p);
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE void store16(void *p, v16f f, int bf16)
+/* f stored as sixteen elements at p (load16_as, vec16.h, reads them). */
+INLINE void store16_as(void *p, v16 f, int bf16)
 {
     if (bf16)
         narrow16(p, f);
@@ -194,15 +164,15 @@ INLINE void silu_mul_row(const void *g, const void *u, int64_t inter, void *o, i
     const int64_t es = bf16 ? 2 : 4;
     int64_t c = 0;
     for (; c + 16 <= inter; c += 16)
-        store16((char *)o + c * es,
-                silu_mul16(load16((const char *)g + c * es, bf16),
-                           load16((const char *)u + c * es, bf16)),
-                bf16);
+        store16_as((char *)o + c * es,
+                   silu_mul16(load16_as((const char *)g + c * es, bf16),
+                              load16_as((const char *)u + c * es, bf16)),
+                   bf16);
     if (c < inter) {
         float gt[16] = {0}, ut[16] = {0}, ot[16];
         memcpy(gt, (const char *)g + c * es, (size_t)(inter - c) * es);
         memcpy(ut, (const char *)u + c * es, (size_t)(inter - c) * es);
-        store16(ot, silu_mul16(load16(gt, bf16), load16(ut, bf16)), bf16);
+        store16_as(ot, silu_mul16(load16_as(gt, bf16), load16_as(ut, bf16)), bf16);
         memcpy((char *)o + c * es, ot, (size_t)(inter - c) * es);
     }
 }

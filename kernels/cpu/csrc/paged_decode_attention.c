@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec16.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* Element i of a pool of fp32 (bf16 = 0) or bf16 (bf16 = 1) elements, as fp32. */
@@ -83,61 +85,14 @@ INLINE void scores_one(const float *restrict q, const void *restrict k_pool,
     }
 }
 
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#ifdef VEC16_SHUFFLES
 #define BATON_VECTOR_SCORES 1
 /* Scores sixteen tokens at a time for head sizes that are multiples of 16: each token's dot
  * product is first folded to a 16-lane vector of partial sums, then the sixteen vectors are
- * summed lane-wise in one transpose-and-add tree (four levels, 30 shuffles and 15 adds for 16
- * sums) instead of one horizontal reduction per token (~8 ops each). GCC/Clang vector types:
- * AVX-512 where -march=native has it, pairs of AVX2 registers elsewhere. */
-typedef float v16 __attribute__((vector_size(64)));
-/* The widest KV row (KV heads x head size) a bf16 tile widens into fp32 scratch (16 rows: 64 KiB
- * of stack at most). */
+ * summed lane-wise in one transpose-and-add tree (sum16, vec16.h). MAX_WIDENED_ROW: the widest
+ * KV row (KV heads x head size) a bf16 tile widens into fp32 scratch (16 rows: 64 KiB of stack at
+ * most). */
 #define MAX_WIDENED_ROW 1024
-
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p)
-{
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* Sixteen pool elements from p, as fp32. */
-INLINE v16 load16_kv(const void *p, int bf16)
-{
-    if (!bf16) return load16(p);
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-
-/* r[j] = sum of the lanes of a[j], j < 16. */
-static inline v16 sum16(v16 a[16])
-{
-    v16 c[8], d[4], e[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                    30, 31);
-    for (int i = 0; i < 4; i++)
-        d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUF(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                    31);
-    for (int i = 0; i < 2; i++)
-        e[i] = SHUF(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUF(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                    31);
-    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
 
 INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
                            const int64_t *restrict table, int64_t start, int64_t len,
@@ -169,8 +124,7 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
         if (widen)
             for (int j = 0; j < 16; j++) {
                 for (int64_t c = 0; c < row; c += 16) {
-                    const v16 k = load16_kv(kv_ptr(krows[j], c, 1), 1);
-                    memcpy(tile + j * row + c, &k, sizeof k);
+                    store16(tile + j * row + c, load16_as(kv_ptr(krows[j], c, 1), 1));
                 }
                 krows[j] = tile + j * row;
             }
@@ -179,9 +133,9 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
             const int64_t off = hq / group * head_dim;
             v16 a[16];
             for (int j = 0; j < 16; j++) {
-                v16 acc = load16(qh) * load16_kv(kv_ptr(krows[j], off, in_bf16), in_bf16);
+                v16 acc = load16(qh) * load16_as(kv_ptr(krows[j], off, in_bf16), in_bf16);
                 for (int64_t c = 16; c < head_dim; c += 16)
-                    acc += load16(qh + c) * load16_kv(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
+                    acc += load16(qh + c) * load16_as(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
                 a[j] = acc;
             }
             const v16 r = sum16(a) * scale;
@@ -246,7 +200,7 @@ INLINE void values_grouped_bf16(const float *restrict probs, const void *restric
                               (len - next < block_size ? len - next : block_size) * row * 2);
             for (int64_t i = 0; i < n; i++)
                 for (int64_t c = 0; c < head_dim; c += 16) {
-                    const v16 v = load16_kv(kv_ptr(v_pool, vb + i * row + c, 1), 1);
+                    const v16 v = load16_as(kv_ptr(v_pool, vb + i * row + c, 1), 1);
                     for (int64_t g = 0; g < group; g++) {
                         const v16 a = load16(acc + g * head_dim + c) + p[g * stride + t0 + i] * v;
                         memcpy(acc + g * head_dim + c, &a, sizeof a);
@@ -294,28 +248,13 @@ INLINE void values_grouped_bf16(const float *restrict probs, const void *restric
  * ~1 ulp; this one Cephes' polynomial, ~2 ulp, vectorised where GCC's vector types are). A NaN
  * score makes the row NaN. */
 #ifdef BATON_VECTOR_SCORES
-typedef int32_t i16v __attribute__((vector_size(64)));
-
 /* e^x, x <= 0 (or NaN) over 16 lanes: x clamped to -87.3 (e^x below it is 2^-126 or less, not a
- * weight a sum of at least 1 notices); x = n ln2 + r, a degree-6 polynomial in r, times 2^n. */
+ * weight a sum of at least 1 notices). */
 static inline v16 exp16(v16 x)
 {
     const v16 zero = {0}, lo = zero - 87.3f;
-    const i16v below = x < lo; /* NaN: false, kept */
-    x = (v16)(((i16v)lo & below) | ((i16v)x & ~below));
-    const v16 t = x * 1.44269504088896341f + 0.5f;
-    i16v ni = __builtin_convertvector(t, i16v); /* truncates: one more than floor where t < 0 */
-    ni += (i16v)(__builtin_convertvector(ni, v16) > t); /* a true lane is -1: floor(t) */
-    const v16 nf = __builtin_convertvector(ni, v16);
-    v16 r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v16)((ni + 127) << 23);
+    const v16i below = x < lo; /* NaN: false, kept */
+    return exp16_clamped((v16)(((v16i)lo & below) | ((v16i)x & ~below)));
 }
 
 static void softmax(float *s, int64_t n)
@@ -325,8 +264,8 @@ static void softmax(float *s, int64_t n)
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         const v16 v = load16(s + i);
-        vmax = (v16)(((i16v)v & (i16v)(v > vmax)) | ((i16v)vmax & ~(i16v)(v > vmax)));
-        vnan = (v16)((i16v)vnan | ((i16v)v & (i16v)(v != v))); /* a NaN's bits, or 0 */
+        vmax = (v16)(((v16i)v & (v16i)(v > vmax)) | ((v16i)vmax & ~(v16i)(v > vmax)));
+        vnan = (v16)((v16i)vnan | ((v16i)v & (v16i)(v != v))); /* a NaN's bits, or 0 */
     }
     float mx = -INFINITY, nan = 0.f;
     for (int j = 0; j < 16; j++) {

@@ -27,6 +27,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec16.h"
+
 struct args {
     const float *in;     /* q (scores) or probs (values) */
     const int8_t *pool8; /* the layer's K or V int8 pool */
@@ -53,22 +55,13 @@ static inline const float *rowf(const struct args *a, const int64_t *table, int6
            (t % a->sub_block) * a->num_kv_heads * a->head_dim;
 }
 
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#ifdef VEC16_SHUFFLES
 #define BATON_VECTOR_SCORES 1
 /* Sixteen tokens at a time for head sizes that are multiples of 16, as paged_decode_attention.c
  * does: each token's dot folded to a 16-lane vector, then one transpose-and-add tree for all
  * sixteen sums (a horizontal reduction per token and head would be most of this pass, and made
  * it several times slower than the fp32 kernel's). */
-typedef float v16 __attribute__((vector_size(64)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p)
-{
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* Sixteen int8 values as floats. GCC 12 widens an int8 vector type lane by lane (scalar
  * sign extensions and inserts: the pass ran at ~50 cycles a dot), so the x86 widening
@@ -88,30 +81,9 @@ static inline v16 load16i8(const int8_t *p)
 #else
     v16i8 v;
     memcpy(&v, p, sizeof v);
-    out = __builtin_convertvector(__builtin_convertvector(v, v16i32), v16);
+    out = __builtin_convertvector(__builtin_convertvector(v, v16i), v16);
 #endif
     return out;
-}
-
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-
-static inline v16 sum16(v16 a[16]) /* r[j] = sum of the lanes of a[j] */
-{
-    v16 c[8], d[4], e[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                    30, 31);
-    for (int i = 0; i < 4; i++)
-        d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUF(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                    31);
-    for (int i = 0; i < 2; i++)
-        e[i] = SHUF(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUF(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                    31);
-    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 /* Scores of positions [t0, t1) of one row into sb[.. + col0 ..]: int8 rows (scaled per row)

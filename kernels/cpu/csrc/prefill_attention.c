@@ -24,26 +24,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p)
-{
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+#include "vec16.h"
 
 static inline v16 splat(float x) /* not 0 + x: without -ffast-math that is a scalar add */
 {
     return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
-static inline v16 select16(vi16 mask, v16 a, v16 b) /* mask lanes are 0 or -1 */
+static inline v16 select16(v16i mask, v16 a, v16 b) /* mask lanes are 0 or -1 */
 {
-    return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
 static inline float hmax16(v16 v)
@@ -73,7 +63,7 @@ static inline v16 exp16(v16 x)
     x = select16(x < lo, lo, x);
     const v16 t = x * splat(1.44269504088896341f) + magic;
     const v16 n = t - magic;
-    const vi16 ni = (vi16)t - (vi16)magic;
+    const v16i ni = (v16i)t - (v16i)magic;
     const v16 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
     v16 y = splat(1.9875691500e-4f);
     y = y * r + splat(1.3981999507e-3f);

@@ -167,20 +167,11 @@ int baton_quant_dequantize(const uint8_t *w, int64_t qtype, int64_t n, int64_t k
 /* ---------------------------------------------------------------------------------------------
  * The int8 dot-product kernel.
  *
- * One x block as the kernels read it (quant_row): the 32 int8 values in order (Q8_0 with
- * VNNI: + 128, as unsigned bytes), the scale, and a term of the block's sum sx:
+ * One x block (xblock, ggml_blocks.h) as the kernels read it (quant_row): the 32 int8 values in
+ * order (Q8_0 with VNNI: + 128, as unsigned bytes), the scale, and a term of the block's sum sx:
  *   Q4_0: -2 * sx, int32: each of a weight row's four lanes starts there (-8 sx in all);
  *   Q4_1: dx * sx / 4, float: times m in each of the row's four lanes;
  *   the portable build: sx itself. */
-typedef struct {
-    int8_t q[32];
-    float dx;
-    union {
-        int32_t i;
-        float f;
-    } aux;
-} xblock;
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define QL_PATH "avx512-vnni"
 #define NR 4 /* weight rows per tile: four rows x four lanes = one 512-bit vector */
@@ -211,26 +202,7 @@ static const uint8_t IDX_DM[64] __attribute__((aligned(64))) = {
 
 static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
 {
-    for (int64_t b = 0; b < nb; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
-                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-        const float d = nan ? NAN : amax / 127.0f;
-        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
-        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-        const int32_t sx = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
-        if (qtype == QT_Q8_0) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
-        _mm256_storeu_si256((__m256i *)out[b].q, q);
-        out[b].dx = d;
-        if (qtype == QT_Q4_1)
-            out[b].aux.f = d * (float)sx * 0.25f;
-        else
-            out[b].aux.i = -2 * sx;
-    }
+    quant_row_avx512(x, nb, qtype, qtype == QT_Q8_0, 0.25f, -2, out);
 }
 
 /* A tile's four weight rows, one block: their nibbles or bytes (lo: elements 0..15 of each
@@ -318,14 +290,13 @@ INLINE __m128 row_sums(__m512 acc)
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, u));
 }
 
-/* One tile: weight rows w[0, nvalid) (row_bytes apart; past nvalid the last one again, not
- * stored) times x rows xp[0, mr) (nb blocks apart) into y[0, mr)[0, nvalid) (ldy apart),
- * + bias[0, nvalid) if given. `last`: the tile holds the matrix's last row (its last block
- * is read masked). qtype and mr are constants where this is inlined. */
+/* One tile (tile_fn, below), x rows xp[0, mr) nb blocks apart; the matrix's last block is read
+ * masked. qtype and mr are constants where this is inlined. */
 INLINE void tile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
                  int nvalid, int last, const xblock *xp, int64_t nb, float *y, int64_t ldy,
-                 const float *bias)
+                 const float *bias, int64_t ldx)
 {
+    (void)ldx; /* x rows are nb blocks apart */
     const int64_t bb = block_bytes(qtype);
     const uint8_t *wr[NR];
     for (int r = 0; r < NR; r++) wr[r] = w + (r < nvalid ? r : nvalid - 1) * row_bytes;
@@ -504,8 +475,9 @@ INLINE void row_sums(__m256 acc, float out[2])
 
 INLINE void tile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
                  int nvalid, int last, const xblock *xp, int64_t nb, float *y, int64_t ldy,
-                 const float *bias)
+                 const float *bias, int64_t ldx)
 {
+    (void)ldx; /* x rows are nb blocks apart */
     (void)last;
     const int64_t bb = block_bytes(qtype);
     const uint8_t *wr[NR];
@@ -555,8 +527,9 @@ static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
 
 INLINE void tile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
                  int nvalid, int last, const xblock *xp, int64_t nb, float *y, int64_t ldy,
-                 const float *bias)
+                 const float *bias, int64_t ldx)
 {
+    (void)ldx; /* x rows are nb blocks apart */
     const int64_t bb = block_bytes(qtype);
     (void)last;
     for (int m = 0; m < mr; m++) {
@@ -588,68 +561,7 @@ INLINE void tile(const int64_t qtype, const int mr, const uint8_t *w, int64_t ro
 }
 #endif
 
-/* Each (type, x rows) tile compiled on its own, the loops over rows unrolled. */
-#define TILE_FN(NAME, QT, M)                                                                     \
-    static void NAME##_##M(const uint8_t *w, int64_t row_bytes, int nvalid, int last,           \
-                           const xblock *xp, int64_t nb, float *y, int64_t ldy,                  \
-                           const float *bias)                                                    \
-    {                                                                                            \
-        tile(QT, M, w, row_bytes, nvalid, last, xp, nb, y, ldy, bias);                           \
-    }
-typedef void (*tile_fn)(const uint8_t *, int64_t, int, int, const xblock *, int64_t, float *,
-                        int64_t, const float *);
-#if MR == 8
-#define TILE_SET(NAME, QT)                                                                       \
-    TILE_FN(NAME, QT, 1)                                                                         \
-    TILE_FN(NAME, QT, 2)                                                                         \
-    TILE_FN(NAME, QT, 3)                                                                         \
-    TILE_FN(NAME, QT, 4)                                                                         \
-    TILE_FN(NAME, QT, 5)                                                                         \
-    TILE_FN(NAME, QT, 6) TILE_FN(NAME, QT, 7) TILE_FN(NAME, QT, 8)
-#define TILE_TABLE(NAME)                                                                         \
-    {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8}
-#else
-#define TILE_SET(NAME, QT) TILE_FN(NAME, QT, 1)
-#define TILE_TABLE(NAME) {NAME##_1}
-#endif
-TILE_SET(tile_q4_0, QT_Q4_0)
-TILE_SET(tile_q4_1, QT_Q4_1)
-TILE_SET(tile_q8_0, QT_Q8_0)
-
 const char *baton_quant_path(void) { return QL_PATH; }
-
-/* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w[n, k])^T + bias (or NULL).
- * 0, -1 for an unknown type or k not a multiple of 32, -2 if the scratch cannot be allocated. */
-int baton_quant_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k, const float *x,
-                       int64_t m, int64_t ldx, const float *bias, float *y, int64_t parts)
-{
-    static const tile_fn q40[MR] = TILE_TABLE(tile_q4_0), q41[MR] = TILE_TABLE(tile_q4_1),
-                         q80[MR] = TILE_TABLE(tile_q8_0);
-    const int64_t bb = block_bytes(qtype), nb = k / QK;
-    if (bb == 0 || k % QK || k == 0) return -1;
-    if (m == 0 || n == 0) return 0;
-    const tile_fn *fns = qtype == QT_Q4_0 ? q40 : qtype == QT_Q4_1 ? q41 : q80;
-    xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));
-    if (xp == NULL) return -2;
-    const int64_t row_bytes = nb * bb, tiles = (n + NR - 1) / NR;
-#pragma omp parallel num_threads(parts) if (parts > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quant_row(x + r * ldx, nb, qtype, xp + r * nb);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n0 = t * NR;
-            const int nvalid = (int)(n - n0 < NR ? n - n0 : NR);
-            for (int64_t m0 = 0; m0 < m; m0 += MR) {
-                const int mr = (int)(m - m0 < MR ? m - m0 : MR);
-                fns[mr - 1](w + n0 * row_bytes, row_bytes, nvalid, n0 + nvalid == n,
-                            xp + m0 * nb, nb, y + m0 * n + n0, n, bias ? bias + n0 : NULL);
-            }
-        }
-    }
-    free(xp);
-    return 0;
-}
 
 /* ---------------------------------------------------------------------------------------------
  * The fp32 kernel (baton_quant_linear_f32): x stays fp32; each weight block is dequantized in
@@ -669,6 +581,11 @@ int baton_quant_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k, co
 #define F_PATH "avx512"
 #define FNR 4
 #define FMR 4
+typedef __m512 fvec;
+
+INLINE fvec fzero(void) { return _mm512_setzero_ps(); }
+
+INLINE float fsum(fvec v) { return _mm512_reduce_add_ps(v); }
 
 /* The block at p, dequantized: elements 0..15 in *lo, 16..31 in *hi. */
 INLINE void fdeq_block(const int64_t qtype, const uint8_t *p, __m512 *lo, __m512 *hi)
@@ -693,39 +610,36 @@ INLINE void fdeq_block(const int64_t qtype, const uint8_t *p, __m512 *lo, __m512
     }
 }
 
-/* Weight rows w[0, nvalid) (row_bytes apart; past nvalid the last one again, not stored) times
- * x rows x[0, mr) (ldx apart) into y[0, mr)[0, nvalid) (ldy apart), + bias[0, nvalid). */
-INLINE void ftile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
-                  int nvalid, const float *x, int64_t ldx, int64_t nb, float *y, int64_t ldy,
-                  const float *bias)
+/* acc[m][r] += block b of weight rows wr[r] (bb bytes a block) times block b of x rows m < mr
+ * (ldx apart). */
+INLINE void fblock(const int64_t qtype, const int mr, const uint8_t *const wr[FNR], int64_t bb,
+                   const float *x, int64_t ldx, int64_t b, fvec acc[FMR][FNR])
 {
-    const int64_t bb = block_bytes(qtype);
-    const uint8_t *wr[FNR];
-    for (int r = 0; r < FNR; r++) wr[r] = w + (r < nvalid ? r : nvalid - 1) * row_bytes;
-    __m512 acc[FMR][FNR];
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < FNR; r++) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 lo[FNR], hi[FNR];
-        for (int r = 0; r < FNR; r++) fdeq_block(qtype, wr[r] + b * bb, &lo[r], &hi[r]);
-        for (int m = 0; m < mr; m++) {
-            const float *xb = x + m * ldx + b * QK;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            for (int r = 0; r < FNR; r++)
-                acc[m][r] = _mm512_fmadd_ps(hi[r], x1, _mm512_fmadd_ps(lo[r], x0, acc[m][r]));
-        }
+    __m512 lo[FNR], hi[FNR];
+    for (int r = 0; r < FNR; r++) fdeq_block(qtype, wr[r] + b * bb, &lo[r], &hi[r]);
+    for (int m = 0; m < mr; m++) {
+        const float *xb = x + m * ldx + b * QK;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        for (int r = 0; r < FNR; r++)
+            acc[m][r] = _mm512_fmadd_ps(hi[r], x1, _mm512_fmadd_ps(lo[r], x0, acc[m][r]));
     }
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nvalid; r++) {
-            const float s = _mm512_reduce_add_ps(acc[m][r]);
-            y[m * ldy + r] = bias ? s + bias[r] : s;
-        }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define F_PATH "avx2"
 #define FNR 2
 #define FMR 4
+typedef __m256 fvec;
+
+INLINE fvec fzero(void) { return _mm256_setzero_ps(); }
+
+INLINE float fsum(fvec v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 
 /* Half h of the block at p (elements 16h..16h+15), dequantized as dequant_row does. */
 INLINE void fdeq_half(const int64_t qtype, const uint8_t *p, int h, __m256 out[2])
@@ -751,42 +665,21 @@ INLINE void fdeq_half(const int64_t qtype, const uint8_t *p, int h, __m256 out[2
     }
 }
 
-INLINE float fsum8(__m256 v)
+/* As the AVX-512 fblock, the block in two halves of 16. */
+INLINE void fblock(const int64_t qtype, const int mr, const uint8_t *const wr[FNR], int64_t bb,
+                   const float *x, int64_t ldx, int64_t b, fvec acc[FMR][FNR])
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-INLINE void ftile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
-                  int nvalid, const float *x, int64_t ldx, int64_t nb, float *y, int64_t ldy,
-                  const float *bias)
-{
-    const int64_t bb = block_bytes(qtype);
-    const uint8_t *wr[FNR];
-    for (int r = 0; r < FNR; r++) wr[r] = w + (r < nvalid ? r : nvalid - 1) * row_bytes;
-    __m256 acc[FMR][FNR];
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < FNR; r++) acc[m][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        for (int h = 0; h < 2; h++) {
-            __m256 wv[FNR][2];
-            for (int r = 0; r < FNR; r++) fdeq_half(qtype, wr[r] + b * bb, h, wv[r]);
-            for (int m = 0; m < mr; m++) {
-                const float *xb = x + m * ldx + b * QK + 16 * h;
-                const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-                for (int r = 0; r < FNR; r++)
-                    acc[m][r] =
-                        _mm256_fmadd_ps(wv[r][1], x1, _mm256_fmadd_ps(wv[r][0], x0, acc[m][r]));
-            }
+    for (int h = 0; h < 2; h++) {
+        __m256 wv[FNR][2];
+        for (int r = 0; r < FNR; r++) fdeq_half(qtype, wr[r] + b * bb, h, wv[r]);
+        for (int m = 0; m < mr; m++) {
+            const float *xb = x + m * ldx + b * QK + 16 * h;
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+            for (int r = 0; r < FNR; r++)
+                acc[m][r] =
+                    _mm256_fmadd_ps(wv[r][1], x1, _mm256_fmadd_ps(wv[r][0], x0, acc[m][r]));
         }
     }
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nvalid; r++) {
-            const float s = fsum8(acc[m][r]);
-            y[m * ldy + r] = bias ? s + bias[r] : s;
-        }
 }
 
 #else
@@ -795,12 +688,13 @@ INLINE void ftile(const int64_t qtype, const int mr, const uint8_t *w, int64_t r
 #define FMR 1
 
 INLINE void ftile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
-                  int nvalid, const float *x, int64_t ldx, int64_t nb, float *y, int64_t ldy,
-                  const float *bias)
+                  int nvalid, int last, const float *x, int64_t nb, float *y, int64_t ldy,
+                  const float *bias, int64_t ldx)
 {
     const int64_t bb = block_bytes(qtype);
     (void)row_bytes;
     (void)nvalid;
+    (void)last;
     float wb[QK];
     for (int m = 0; m < mr; m++) {
         float acc = 0.0f;
@@ -814,49 +708,128 @@ INLINE void ftile(const int64_t qtype, const int mr, const uint8_t *w, int64_t r
 }
 #endif
 
-#define FTILE_FN(NAME, QT, M)                                                                    \
-    static void NAME##_##M(const uint8_t *w, int64_t row_bytes, int nvalid, const float *x,     \
-                           int64_t ldx, int64_t nb, float *y, int64_t ldy, const float *bias)    \
-    {                                                                                            \
-        ftile(QT, M, w, row_bytes, nvalid, x, ldx, nb, y, ldy, bias);                            \
-    }
-typedef void (*ftile_fn)(const uint8_t *, int64_t, int, const float *, int64_t, int64_t, float *,
-                         int64_t, const float *);
-#if FMR == 4
-#define FTILE_SET(NAME, QT)                                                                      \
-    FTILE_FN(NAME, QT, 1) FTILE_FN(NAME, QT, 2) FTILE_FN(NAME, QT, 3) FTILE_FN(NAME, QT, 4)
-#define FTILE_TABLE(NAME) {NAME##_1, NAME##_2, NAME##_3, NAME##_4}
-#else
-#define FTILE_SET(NAME, QT) FTILE_FN(NAME, QT, 1)
-#define FTILE_TABLE(NAME) {NAME##_1}
+#if FNR > 1
+/* One tile (tile_fn, below) of the SIMD builds: their block step (fblock) over K, then each
+ * accumulator's lanes added. qtype and mr are constants where this is inlined. */
+INLINE void ftile(const int64_t qtype, const int mr, const uint8_t *w, int64_t row_bytes,
+                  int nvalid, int last, const float *x, int64_t nb, float *y, int64_t ldy,
+                  const float *bias, int64_t ldx)
+{
+    (void)last;
+    const int64_t bb = block_bytes(qtype);
+    const uint8_t *wr[FNR];
+    for (int r = 0; r < FNR; r++) wr[r] = w + (r < nvalid ? r : nvalid - 1) * row_bytes;
+    fvec acc[FMR][FNR];
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < FNR; r++) acc[m][r] = fzero();
+    for (int64_t b = 0; b < nb; b++) fblock(qtype, mr, wr, bb, x, ldx, b, acc);
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nvalid; r++) {
+            const float s = fsum(acc[m][r]);
+            y[m * ldy + r] = bias ? s + bias[r] : s;
+        }
+}
 #endif
-FTILE_SET(ftile_q4_0, QT_Q4_0)
-FTILE_SET(ftile_q4_1, QT_Q4_1)
-FTILE_SET(ftile_q8_0, QT_Q8_0)
 
 const char *baton_quant_f32_path(void) { return F_PATH; }
+
+/* ---------------------------------------------------------------------------------------------
+ * The calls of both kernels.
+ *
+ * A tile: weight rows w[0, nvalid) (row_bytes apart; past nvalid the last one again, not stored)
+ * times x rows x[0, mr) (the int8 kernel's xblocks, rows nb apart; the fp32 kernel's floats, rows
+ * ldx apart) into y[0, mr)[0, nvalid) (ldy apart), + bias[0, nvalid) if given; `last`: the tile
+ * holds the matrix's last row. Each (kernel, type, x rows) is compiled on its own, the loops over
+ * rows unrolled, and a call picks one by its type and x rows: fns[type_index(qtype)][mr - 1]. */
+typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int nvalid, int last, const void *x,
+                        int64_t nb, float *y, int64_t ldy, const float *bias, int64_t ldx);
+
+#define TILE_FN(KERNEL, NAME, QT, M)                                                             \
+    static void NAME##_##M(const uint8_t *w, int64_t row_bytes, int nvalid, int last,           \
+                           const void *x, int64_t nb, float *y, int64_t ldy, const float *bias,  \
+                           int64_t ldx)                                                          \
+    {                                                                                            \
+        KERNEL(QT, M, w, row_bytes, nvalid, last, x, nb, y, ldy, bias, ldx);                     \
+    }
+#define TILE_FNS_1(K, NAME, QT) TILE_FN(K, NAME, QT, 1)
+#define TILE_FNS_4(K, NAME, QT)                                                                  \
+    TILE_FNS_1(K, NAME, QT) TILE_FN(K, NAME, QT, 2) TILE_FN(K, NAME, QT, 3) TILE_FN(K, NAME, QT, 4)
+#define TILE_FNS_8(K, NAME, QT)                                                                  \
+    TILE_FNS_4(K, NAME, QT) TILE_FN(K, NAME, QT, 5) TILE_FN(K, NAME, QT, 6)                      \
+    TILE_FN(K, NAME, QT, 7) TILE_FN(K, NAME, QT, 8)
+#define TILE_PTRS_1(NAME) NAME##_1
+#define TILE_PTRS_4(NAME) TILE_PTRS_1(NAME), NAME##_2, NAME##_3, NAME##_4
+#define TILE_PTRS_8(NAME) TILE_PTRS_4(NAME), NAME##_5, NAME##_6, NAME##_7, NAME##_8
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+/* KERNEL's tiles of the three types for 1 .. ROWS x rows, and TABLE[type][x rows - 1] of them. */
+#define KERNEL_TILES(KERNEL, TABLE, ROWS)                                                        \
+    CAT(TILE_FNS_, ROWS)(KERNEL, KERNEL##_q4_0, QT_Q4_0)                                         \
+    CAT(TILE_FNS_, ROWS)(KERNEL, KERNEL##_q4_1, QT_Q4_1)                                         \
+    CAT(TILE_FNS_, ROWS)(KERNEL, KERNEL##_q8_0, QT_Q8_0)                                         \
+    static const tile_fn TABLE[3][ROWS] = {{CAT(TILE_PTRS_, ROWS)(KERNEL##_q4_0)},               \
+                                           {CAT(TILE_PTRS_, ROWS)(KERNEL##_q4_1)},               \
+                                           {CAT(TILE_PTRS_, ROWS)(KERNEL##_q8_0)}};
+
+KERNEL_TILES(tile, int8_tiles, MR)
+KERNEL_TILES(ftile, f32_tiles, FMR)
+
+static int type_index(int64_t qtype) { return qtype == QT_Q4_0 ? 0 : qtype == QT_Q4_1 ? 1 : 2; }
+
+/* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w[n, k])^T + bias (or NULL)
+ * through `fns` (tiles of nr weight rows and up to max_mr x rows), the tiles split into `parts`
+ * contiguous ranges. `xp` (the int8 kernel): x quantized into it first, in the same parallel
+ * region, and the tiles read it; NULL (the fp32 kernel): they read x. */
+static void run_tiles(const tile_fn *fns, int nr, int max_mr, const uint8_t *w, int64_t qtype,
+                      int64_t n, int64_t nb, const float *x, int64_t m, int64_t ldx,
+                      xblock *xp, const float *bias, float *y, int64_t parts)
+{
+    const int64_t row_bytes = nb * block_bytes(qtype), tiles = (n + nr - 1) / nr;
+#pragma omp parallel num_threads(parts) if (parts > 1)
+    {
+        if (xp != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) quant_row(x + r * ldx, nb, qtype, xp + r * nb);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * nr;
+            const int nvalid = (int)(n - n0 < nr ? n - n0 : nr);
+            for (int64_t m0 = 0; m0 < m; m0 += max_mr) {
+                const int mr = (int)(m - m0 < max_mr ? m - m0 : max_mr);
+                const void *xm = xp != NULL ? (const void *)(xp + m0 * nb) : x + m0 * ldx;
+                fns[mr - 1](w + n0 * row_bytes, row_bytes, nvalid, n0 + nvalid == n, xm, nb,
+                            y + m0 * n + n0, n, bias ? bias + n0 : NULL, ldx);
+            }
+        }
+    }
+}
+
+/* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w[n, k])^T + bias (or NULL).
+ * 0, -1 for an unknown type or k not a multiple of 32, -2 if the scratch cannot be allocated. */
+int baton_quant_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k, const float *x,
+                       int64_t m, int64_t ldx, const float *bias, float *y, int64_t parts)
+{
+    const int64_t nb = row_blocks(qtype, k);
+    if (nb == 0) return -1;
+    if (m == 0 || n == 0) return 0;
+    xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));
+    if (xp == NULL) return -2;
+    run_tiles(int8_tiles[type_index(qtype)], NR, MR, w, qtype, n, nb, x, m, ldx, xp, bias, y,
+              parts);
+    free(xp);
+    return 0;
+}
 
 /* As baton_quant_linear, x kept in fp32: y = x . dequant(w)^T + bias up to the fp32 sums'
  * order. 0, or -1 for an unknown type or k not a multiple of 32. */
 int baton_quant_linear_f32(const uint8_t *w, int64_t qtype, int64_t n, int64_t k, const float *x,
                            int64_t m, int64_t ldx, const float *bias, float *y, int64_t parts)
 {
-    static const ftile_fn q40[FMR] = FTILE_TABLE(ftile_q4_0), q41[FMR] = FTILE_TABLE(ftile_q4_1),
-                          q80[FMR] = FTILE_TABLE(ftile_q8_0);
-    const int64_t bb = block_bytes(qtype), nb = k / QK;
-    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t nb = row_blocks(qtype, k);
+    if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
-    const ftile_fn *fns = qtype == QT_Q4_0 ? q40 : qtype == QT_Q4_1 ? q41 : q80;
-    const int64_t row_bytes = nb * bb, tiles = (n + FNR - 1) / FNR;
-#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * FNR;
-        const int nvalid = (int)(n - n0 < FNR ? n - n0 : FNR);
-        for (int64_t m0 = 0; m0 < m; m0 += FMR) {
-            const int mr = (int)(m - m0 < FMR ? m - m0 : FMR);
-            fns[mr - 1](w + n0 * row_bytes, row_bytes, nvalid, x + m0 * ldx, ldx, nb,
-                        y + m0 * n + n0, n, bias ? bias + n0 : NULL);
-        }
-    }
+    run_tiles(f32_tiles[type_index(qtype)], FNR, FMR, w, qtype, n, nb, x, m, ldx, NULL, bias, y,
+              parts);
     return 0;
 }

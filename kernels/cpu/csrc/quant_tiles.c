@@ -70,8 +70,8 @@ static int64_t tile_offset(int64_t qtype, int64_t lane, int64_t j)
 /* dst (ceil(n / 16) * 16 rows of row_bytes) = the tiles of src's n rows; pad rows zero. */
 int baton_quant_tiles_pack(const uint8_t *src, int64_t qtype, int64_t n, int64_t k, uint8_t *dst)
 {
-    const int64_t bb = block_bytes(qtype), nb = k / QK;
-    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
+    if (nb == 0) return -1;
     const int64_t groups = (n + TR - 1) / TR, tile = TR * bb;
     memset(dst, 0, (size_t)(groups * tile * nb));
     for (int64_t r = 0; r < n; r++) {
@@ -92,8 +92,8 @@ int baton_quant_tiles_pack(const uint8_t *src, int64_t qtype, int64_t n, int64_t
 int baton_quant_tiles_unpack(const uint8_t *src, int64_t qtype, int64_t k, const int64_t *ids,
                              int64_t n, uint8_t *dst)
 {
-    const int64_t bb = block_bytes(qtype), nb = k / QK;
-    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
+    if (nb == 0) return -1;
     const int64_t tile = TR * bb;
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = ids ? ids[i] : i, g = r / TR, lane = r % TR;
@@ -114,8 +114,8 @@ int baton_quant_tiles_unpack(const uint8_t *src, int64_t qtype, int64_t k, const
 int baton_quant_tiles_dequantize(const uint8_t *w, int64_t qtype, int64_t k, const int64_t *ids,
                                  int64_t n, float *out, int64_t parts)
 {
-    const int64_t bb = block_bytes(qtype), nb = k / QK;
-    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
+    if (nb == 0) return -1;
     const int64_t tile = TR * bb, sb = scale_bytes(qtype);
 #pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
     for (int64_t i = 0; i < n; i++) {
@@ -156,39 +156,12 @@ int baton_quant_tiles_dequantize(const uint8_t *w, int64_t qtype, int64_t k, con
 #define TILE_ROWS TR
 #define MR 16 /* x rows a pass over a group's tiles: a decode batch of 16 reads each tile once */
 
-/* One x block: its 32 int8 values as eight dwords (one per vpdpbusd), the scale, and the
- * offset term: -8 sx or -128 sx (int32) as the dot's start, Q4_1's dx * sx (float). */
-typedef struct {
-    int32_t q[8];
-    float dx;
-    union {
-        int32_t i;
-        float f;
-    } aux;
-} xblock;
-
-/* Per block of 32: dx = amax / 127, xq = round(x / dx), as quant_linear.c's quant_row. */
+/* An x block's aux (xblock, ggml_blocks.h): the offset term, -8 sx or -128 sx (int32), as the
+ * dot's start; Q4_1's dx * sx (float). Per block of 32: dx = amax / 127, xq = round(x / dx), as
+ * quant_linear.c's quant_row. */
 static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
 {
-    for (int64_t b = 0; b < nb; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
-                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-        const float d = nan ? NAN : amax / 127.0f;
-        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
-        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-        const int32_t sx = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        const __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
-        _mm256_storeu_si256((__m256i *)out[b].q, q);
-        out[b].dx = d;
-        if (qtype == QT_Q4_1)
-            out[b].aux.f = d * (float)sx;
-        else
-            out[b].aux.i = (qtype == QT_Q8_0 ? -128 : -8) * sx;
-    }
+    quant_row_avx512(x, nb, qtype, 0, 1.0f, qtype == QT_Q8_0 ? -128 : -8, out);
 }
 
 /* acc + w . (the dword at x, broadcast), with the broadcast as vpdpbusd's memory operand: GCC
@@ -234,7 +207,7 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
             const xblock *x = xp + m * nb + b;
             __m512i dot = qtype == QT_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux.i);
             for (int c = 0; c < 8; c++)
-                dot = dpbusd_bcst(dot, wv[c], x->q + c);
+                dot = dpbusd_bcst(dot, wv[c], x->q4 + c);
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x->dx));
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
             if (qtype == QT_Q4_1) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->aux.f), acc[m]);
@@ -268,8 +241,8 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
                              const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
                              int64_t parts)
 {
-    const int64_t bb = block_bytes(qtype), nb = k / QK;
-    if (bb == 0 || k % QK || k == 0) return -1;
+    const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
+    if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
     const group_fn fn = qtype == QT_Q4_0 ? group_q4_0 : qtype == QT_Q4_1 ? group_q4_1 : group_q8_0;
     xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));

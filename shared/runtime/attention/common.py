@@ -14,14 +14,26 @@ class AttentionMetadata(Protocol):
     @property
     def slot_mapping(self) -> torch.Tensor: ...
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                window: int | None = None) -> torch.Tensor: ...  # fmt: skip
+
+
+class StoreThenAttend:
+    """The forward of every backend's metadata: the step's new K/V stored into the layer's pools
+    (:meth:`store_new`), then attention over the cache, their own keys included
+    (:meth:`attend`; ``k``/``v`` for the paths that read the new rows directly)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:  # fmt: skip
+        self.store_new(k, v, kv_layer)
+        return self.attend(q, k, v, kv_layer, window)
+
+    def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
 
 
 def attention(

@@ -10,12 +10,12 @@ import torch
 
 from kernels.cpu.paged_decode_attention import DecodeKernel, KernelBatch
 from kernels.cpu.prefill_attention import FreshPrompts, PrefillKernel
-from shared.runtime.attention.common import store_kv_torch
+from shared.runtime.attention.common import StoreThenAttend, store_kv_torch
 from shared.runtime.decode_rows import window_starts
 
 
 @dataclass
-class CpuKernelDecodeMetadata:
+class CpuKernelDecodeMetadata(StoreThenAttend):
     """Decode attention through the C kernel (kernels/cpu/paged_decode_attention.py): K and V
     read in place, once; the same numbers as :class:`TorchDecodeMetadata` up to summation order."""
 
@@ -25,15 +25,11 @@ class CpuKernelDecodeMetadata:
     kernel: DecodeKernel
     _windowed: dict[int, KernelBatch] = field(default_factory=dict)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         return self.kernel.attend(q, kv_layer, self.window_rows(window), self.scale)
 
     def window_rows(self, window: int | None) -> KernelBatch:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.cpu.paged_decode_int8 import Int8Batch, Int8DecodeKernel
-from shared.runtime.attention.common import store_kv_torch
+from shared.runtime.attention.common import StoreThenAttend, store_kv_torch
 from shared.runtime.decode_rows import DecodeRows, window_starts
 from shared.runtime.fp_window import FpBatch, FpWindow
 from shared.runtime.kv_codec import Int8KV
@@ -92,8 +92,21 @@ class Store:
             self.fp.store(self.fp_window.view(kv_layer), k, v)
 
 
+class StoredByStore(StoreThenAttend):
+    """Metadata of an int8 cache: its new rows go through its :class:`Store`."""
+
+    store: Store
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.store.slot_mapping
+
+    def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
+        self.store(k, v, kv_layer)
+
+
 @dataclass
-class Int8KernelDecodeMetadata:
+class Int8KernelDecodeMetadata(StoredByStore):
     """Through the C kernel: int8 rows and window slots read in place, once."""
 
     store: Store
@@ -102,19 +115,8 @@ class Int8KernelDecodeMetadata:
     kernel: Int8DecodeKernel
     _rows: dict[int | None, Int8Batch] = field(default_factory=dict)
 
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.store.slot_mapping
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        self.store(k, v, kv_layer)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         rows = self._rows.get(window)
         if rows is None:
             b = self.batch
@@ -124,7 +126,7 @@ class Int8KernelDecodeMetadata:
 
 
 @dataclass
-class TorchQuantDecodeMetadata:
+class TorchQuantDecodeMetadata(StoredByStore):
     """Through torch: the batch's int8 K rows and V rows are each read with one index_select (as
     K is in TorchDecodeMetadata), then batched matmuls on the int8 values, the per-row scales
     folded in where they cost least: K's into the scores (``q . (s k) = s (q . k)``), V's into
@@ -135,10 +137,6 @@ class TorchQuantDecodeMetadata:
     scale: float
     num_kv_heads: int
     _rows: dict[int | None, tuple[DecodeRows, DecodeRows]] = field(default_factory=dict)
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.store.slot_mapping
 
     def _window_rows(self, window: int | None) -> tuple[DecodeRows, DecodeRows]:
         """(int8 rows into the pool, window rows into the slots as a ``sub_block`` cache)."""
@@ -151,15 +149,8 @@ class TorchQuantDecodeMetadata:
             got = self._rows[window] = (int8, fp)
         return got
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        self.store(k, v, kv_layer)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         int8_rows, fp_rows = self._window_rows(window)
         batch, num_heads, head_dim = q.shape
         num_kv_heads = self.num_kv_heads

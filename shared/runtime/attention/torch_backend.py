@@ -15,6 +15,7 @@ from kernels.cpu.prefill_attention import FreshPrompts, PrefillKernel
 from shared.runtime.attention.common import (
     FLOAT_KV,
     AttentionMetadata,
+    StoreThenAttend,
     block_rows,
     block_table_tensor,
     gather_blocks,
@@ -35,7 +36,7 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
-class TorchDecodeMetadata:
+class TorchDecodeMetadata(StoreThenAttend):
     """Decode attention read off the pools, shared by every layer of one step.
 
     K: one index_select of the ``(slot, kv head)`` rows of the pool viewed as ``[slots * Hkv,
@@ -52,15 +53,11 @@ class TorchDecodeMetadata:
     batch: DecodeBatch
     scale: float
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
         store_kv_torch(k, v, kv_layer, self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         rows = self.batch.rows(window)
         batch, num_heads, head_dim = q.shape
         _, num_kv_heads, context = rows.k_rows.shape
@@ -149,7 +146,7 @@ class _PrefillSeq:
 
 
 @dataclass
-class TorchPrefillMetadata:
+class TorchPrefillMetadata(StoreThenAttend):
     slot_mapping: torch.Tensor  # int64 [T]
     seqs: list[_PrefillSeq]  # those SDPA computes
     scale: float
@@ -159,19 +156,15 @@ class TorchPrefillMetadata:
     fp_window: FpWindow | None = None
     int8_kernel: Int8DecodeKernel | None = None  # quantises the new rows in C (same bytes)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
         kernel = self.int8_kernel
         if kernel is None or not kernel.store_kv(k, v, kv_layer, self.slot_mapping):
             store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
         if self.fp is not None and self.fp_window is not None:
             self.fp.store(self.fp_window.view(kv_layer), k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         if self.fresh is not None:

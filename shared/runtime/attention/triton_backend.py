@@ -12,75 +12,54 @@ from typing import Any
 
 import torch
 
-from shared.runtime.attention.common import block_table_tensor
-from shared.runtime.attention.int8 import Store
+from shared.runtime.attention.common import StoreThenAttend, block_table_tensor
+from shared.runtime.attention.int8 import Store, StoredByStore
 from shared.runtime.fp_window import FpBatch, FpWindow
 
 
 @dataclass
-class TritonDecodeMetadata:
+class _TritonFloatMetadata(StoreThenAttend):
+    """A float cache: the new rows stored by the store_kv kernel."""
+
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor  # int32 [B, max_blocks]
-    context_lens: torch.Tensor  # int32 [B]
-    max_context_len: int  # host-side bound: no device sync to size the grid
     scale: float
     ops: Any
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
         self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
-        return self.ops.paged_decode_attention(
-            q,
-            kv_layer[0],
-            kv_layer[1],
-            self.block_tables,
-            self.context_lens,
-            self.scale,
-            max_context_len=self.max_context_len,
-            window=window,
-        )
 
 
 @dataclass
-class TritonPrefillMetadata:
-    slot_mapping: torch.Tensor
+class TritonDecodeMetadata(_TritonFloatMetadata):
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    max_context_len: int  # host-side bound: no device sync to size the grid
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
+        return self.ops.paged_decode_attention(
+            q, kv_layer[0], kv_layer[1], self.block_tables, self.context_lens, self.scale,
+            max_context_len=self.max_context_len, window=window,
+        )  # fmt: skip
+
+
+@dataclass
+class TritonPrefillMetadata(_TritonFloatMetadata):
     cu_seqlens_q: torch.Tensor  # int32 [B + 1]
     seq_lens: torch.Tensor  # int32 [B], context length after this chunk
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     max_seqlen_q: int
-    scale: float
-    ops: Any
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        self.ops.store_kv(k, v, kv_layer[0], kv_layer[1], self.slot_mapping)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         return self.ops.prefill_attention(
-            q,
-            kv_layer[0],
-            kv_layer[1],
-            self.cu_seqlens_q,
-            self.seq_lens,
-            self.block_tables,
-            self.scale,
-            max_seqlen_q=self.max_seqlen_q,
-            window=window,
-        )
+            q, kv_layer[0], kv_layer[1], self.cu_seqlens_q, self.seq_lens, self.block_tables,
+            self.scale, max_seqlen_q=self.max_seqlen_q, window=window,
+        )  # fmt: skip
 
 
 @dataclass
-class TritonInt8DecodeMetadata:
+class TritonInt8DecodeMetadata(StoredByStore):
     """An int8 cache: the packed rows read in place by the int8 specialisation of the decode
     kernel, its full-precision window (fp_window.py) from the slots, in one pass."""
 
@@ -94,19 +73,8 @@ class TritonInt8DecodeMetadata:
     fp_tables: torch.Tensor | None  # int32 [B, max_slots]
     fp_starts: torch.Tensor | None  # int32 [B]
 
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.store.slot_mapping  # type: ignore[no-any-return]
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        self.store(k, v, kv_layer)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+               window: int | None) -> torch.Tensor:  # fmt: skip
         fp = None
         if self.fp_window is not None and self.fp_tables is not None and self.fp_starts is not None:
             from kernels.triton.paged_decode_attention import FullPrecisionWindow
