@@ -25,6 +25,10 @@ class Toy(nn.Module):
         self.head = Projection(8, 32, bias=False)
         if tied:
             self.head.weight = self.embed.weight
+        # Projection leaves its memory as allocated (a loader fills it): values of our own.
+        with torch.no_grad():
+            for param in self.parameters():
+                param.normal_()
 
 
 class SpyPacked(mkl_pack.PackedWeight):
