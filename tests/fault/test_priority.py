@@ -31,15 +31,15 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-import uuid
 from dataclasses import dataclass
 
 import aio_pika
 import pytest
 import pytest_asyncio
 
+from loadtest.faults.burst_onset import request
 from loadtest.faults.reply_log import TimedReplies
-from shared.wire.messages import DoneReply, RequestMsg, SamplingParams
+from shared.wire.messages import DoneReply
 from shared.wire.queues import DECODE_QUEUE
 from tests.fault.harness import scrape, service_processes
 
@@ -55,16 +55,6 @@ ENV = {
     "BATON_DETOK_STANDBY_DELAY_S": "0.1",
 }
 FIRST_TOKENS = "baton:generation_tokens_total"  # at prefill: one per prefilled prompt
-
-
-def request(tag: str, priority: int, max_tokens: int, stream: bool) -> RequestMsg:
-    return RequestMsg(
-        request_id=f"{tag}-{uuid.uuid4().hex[:10]}",
-        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        prompt_token_ids=tuple(3 + (7 * i) % 500 for i in range(32)),
-        stream=stream,
-        priority=priority,
-    )
 
 
 def p99(values: list[float]) -> float:
