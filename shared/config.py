@@ -81,9 +81,10 @@ class BatonConfig:
     generation_config: str = "auto"
     # Where the engines run: "cpu", or a torch CUDA device ("cuda", "cuda:1").
     device: str = "cpu"
-    # "auto": the checkpoint's dtype where the device computes it natively (never bf16 on a CPU
-    # without bf16 instructions, never fp16 on a CPU), else float32, the exact mode; a GGUF file
-    # computes in float32. Or float32 | bfloat16 | float16 (shared/runtime/loader.py).
+    # "auto": the checkpoint's dtype where the device computes it natively (never fp16 on a
+    # CPU), else float32, the exact mode; a GGUF file computes in float32. Or float32 |
+    # bfloat16 | float16. bf16 on a CPU without bf16 instructions (BATON_CPU_ISA included) is
+    # computed in float32, named or not (shared/runtime/loader.py).
     dtype: str = "auto"
     # A GGUF file's Q8_0 / Q4_0 / Q4_1 weights on a CPU: "auto" and "packed" keep them packed
     # and run C kernels on them (~1/6 of fp32's bytes for Q4_1); "dequantized" expands them to

@@ -15,8 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels.cpu import cpu_isa
+from shared.runtime.loader import resolve_dtype
+from tests.runtime.helpers import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each C kernel's test (one file per op): test_cpu_<op>.py, the quantized linears, the int8 KV.
@@ -37,7 +40,9 @@ def test_settings_hold_the_compiler_and_the_libraries(monkeypatch: pytest.Monkey
     assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
     if platform.machine() == "x86_64":
-        assert not cpu_isa.computes_bf16()  # bf16 models compute in fp32 (BATON_DTYPE=auto)
+        assert not cpu_isa.computes_bf16()  # bf16 models compute in fp32
+        cpu = torch.device("cpu")
+        assert resolve_dtype("bfloat16", tiny_model_dir("llama"), cpu) == torch.float32
     with pytest.raises(ValueError, match="BATON_CPU_ISA must be one of"):
         cpu_isa.apply("avx10")
 

@@ -49,13 +49,19 @@ def parse_dtype(name: str) -> torch.dtype:
 def resolve_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dtype:
     """``BATON_DTYPE``: a dtype by name, or ``auto``: the checkpoint's dtype where the device
     computes it natively, else fp32 (the exact mode). On a CPU: bf16 only with bf16
-    instructions, never fp16; a GGUF file computes in fp32 (its packed weights are dequantized
-    in registers either way)."""
+    instructions (named or auto: without them bf16 weights are computed in fp32), never fp16
+    by auto; a GGUF file computes in fp32 (its packed weights are dequantized in registers
+    either way)."""
     if name.lower() != "auto":
         dtype = parse_dtype(name)
         if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_isa.computes_bf16():
-            log.warning("bf16 on a CPU without bf16 instructions is emulated: expect it slow; "
-                        "BATON_DTYPE=auto picks fp32 here")  # fmt: skip
+            # Emulated bf16 GEMMs ran at a few GFLOP/s: a prompt took minutes. fp32 holds every
+            # bf16 value exactly and is this CPU's fast path.
+            log.warning(
+                "BATON_DTYPE=bfloat16 on a CPU without bf16 instructions: the weights are "
+                "computed in float32 here (bf16 would be emulated, far slower)"
+            )
+            return torch.float32
         return dtype
     if gguf_path_of(model_dir) is not None:
         return torch.float32
