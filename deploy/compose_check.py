@@ -89,7 +89,15 @@ def p50(values: list[float]) -> float | None:
 
 async def gateway(port: int, amqp_url: str) -> Row:
     t0 = time.monotonic()
-    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+    # Closed inside the loop that made it (left to the collector, its pool closed after the loop
+    # and printed "Event loop is closed").
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0
+    ) as api:
+        return await _gateway(api, t0, amqp_url)
+
+
+async def _gateway(api: openai.AsyncOpenAI, t0: float, amqp_url: str) -> Row:
     model = (await api.models.list()).data[0].id
     greedy = {"ignore_eos": True}  # Baton's extension: exactly max_tokens tokens
     done = await api.completions.create(
