@@ -20,7 +20,10 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any
+
+_OFF: AbstractContextManager[None] = nullcontext()
 
 
 class StepTrace:
@@ -40,12 +43,15 @@ class StepTrace:
             line = {"kind": kind, "t": round(start, 6), "dt": round(end - start, 6), **fields}
             self._file.write(json.dumps(line) + "\n")
 
-    @contextlib.contextmanager
-    def span(self, kind: str, **fields: Any) -> Iterator[None]:
-        """Record the enclosed time (awaits included) as one span of ``kind``."""
+    def span(self, kind: str, **fields: Any) -> AbstractContextManager[None]:
+        """Record the enclosed time (awaits included) as one span of ``kind``; with the trace
+        off, one shared no-op context (the loop runs this every turn)."""
         if self._file is None:
-            yield
-            return
+            return _OFF
+        return self._timed(kind, fields)
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str, fields: dict[str, Any]) -> Iterator[None]:
         start = time.monotonic()
         try:
             yield
