@@ -67,7 +67,7 @@ def test_absent_unless_asked() -> None:
 
 
 def test_events_and_replies_carry_them() -> None:
-    start = StartInfo("r", "q", 2, min_tokens=3, stop_token_ids=[9])
+    start = StartInfo("r", "q", 2, stop_token_ids=[9])
     event = TokenEvent("r", 0, [7], logprobs=[ENTRY], prompt_logprobs=[[5, None, None, [], []]])
     back = DetokMsg.decode(DetokMsg(starts=[start], events=[event]).encode(), 1 << 20)
     assert back.starts == [start] and back.events == [event]

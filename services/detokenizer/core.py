@@ -176,7 +176,6 @@ class DetokenizerCore:
                 info.stop,
                 lazy=lazy,
                 include_stop=info.include_stop_str_in_output,
-                min_tokens=info.min_tokens,
             )
             choice = _Choice(index, detok)
             resume = marks.get(index)

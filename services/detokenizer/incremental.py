@@ -9,8 +9,7 @@ decode, so the streamed deltas always add up to the final text.
 Stop strings: text that could still become the start of a stop string is held back from the
 stream, so a client never sees characters that the final text will cut. The text ends right
 before the first stop string found, or right after it with ``include_stop`` (vLLM's
-``include_stop_str_in_output``). As in vLLM, the text of the first ``min_tokens`` tokens is not
-searched on its own: a stop string ends the text only if it ends after them. A token that ended
+``include_stop_str_in_output``). A token that ended
 the sequence in the engine (EOS, a ``stop_token_ids`` entry) may be added ``hidden``: it counts
 as an output token but adds no text, as in vLLM.
 
@@ -35,12 +34,10 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         lazy: bool = False,
         include_stop: bool = False,
-        min_tokens: int = 0,
     ) -> None:
         self._decode = decode
         self.stop = tuple(stop)
         self.include_stop = include_stop
-        self.min_tokens = min_tokens
         if lazy and self.stop:
             raise ValueError("stop strings are found as the text grows: not lazily")
         self.lazy = lazy
@@ -59,10 +56,6 @@ class IncrementalDetokenizer:
         with it); afterwards :meth:`take_delta` returns what may be streamed."""
         if self.stopped:
             return
-        k = self.min_tokens - len(self.token_ids)
-        if self.stop and 0 < k < len(token_ids):  # text before the boundary is not searched
-            self.add(token_ids[:k])
-            token_ids = token_ids[k:]
         self.token_ids.extend(token_ids)
         if hide_last and token_ids:
             self._hidden = 1
@@ -110,7 +103,7 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self.text) - self._holdback)
         self.text += delta
-        if not self.stop or len(self.token_ids) <= self.min_tokens:
+        if not self.stop:
             return
         # Only the new text and the holdback before it can contain a stop string not seen yet.
         window = self.text[start:]

@@ -153,7 +153,6 @@ class TokenizerService:
             owner=message.user_id,
             priority=req.priority,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            min_tokens=sampling.min_tokens,
             stop_token_ids=list(sampling.stop_token_ids),
             n=sampling.n,
         )

@@ -61,7 +61,7 @@ __all__ = [
 #    KVDescriptor.first_block / fp_first_block / fp_slots (sliding windows, int8's full-precision
 #    window); a layer-wise HandoffMsg has no output token yet (kv_transfer/layerwise.py).
 # Still 4: SamplingParams' additions (min_p, penalties, min_tokens, stop_token_ids, logprobs,
-# prompt_logprobs, n), StartInfo's (include_stop_str_in_output, min_tokens, stop_token_ids, n),
+# prompt_logprobs, n), StartInfo's (include_stop_str_in_output, stop_token_ids, n),
 # TokenEvent's (logprobs, prompt_logprobs) and the choice fields of parallel sampling
 # (TokenEvent.choice_index, StreamMark.choice_index and .done, HandoffMsg.choice_index and
 # .choices, ControlMsg.choice_index) have defaults and are left out of a message at them, so
@@ -287,7 +287,6 @@ class StartInfo:
     # Additions, left out of the message at their defaults (to_dict), as the sampling ones are.
     # The stop string, or the text of the token that stopped it, stays in the text.
     include_stop_str_in_output: bool = False
-    min_tokens: int = 0  # stop strings are not looked for in the text of the first this many
     stop_token_ids: list[int] = field(default_factory=list)  # a done reply's stop_reason
     n: int = 1  # choices (parallel sampling): one done reply each; left out at 1
 
@@ -302,7 +301,6 @@ class StartInfo:
 
 _START_ADDITIONS: dict[str, Any] = {
     "include_stop_str_in_output": False,
-    "min_tokens": 0,
     "stop_token_ids": [],
     "n": 1,
 }

@@ -1,7 +1,6 @@
 """The detokenizer's part of logprobs and of vLLM's stop rules: entries travel with their tokens
-(each token's text added), the prompt's with the stream's start and in the done reply; stop
-strings are not looked for in the text of the first ``min_tokens`` tokens; a ``stop`` says
-what ended it (``stop_reason``)."""
+(each token's text added), the prompt's with the stream's start and in the done reply; a
+``stop`` says what ended it (``stop_reason``)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from services.detokenizer.incremental import IncrementalDetokenizer
 from services.shell.event_hold import merge
 from tests.detokenizer.helpers import STORY, T0, Decode, Harness, ev, info
 
@@ -96,29 +94,14 @@ def test_replayed_stream_keeps_every_entry_in_the_done_reply(
     assert h.done("a").logprobs == [reply_entry(one, t) for t in ids[:4]]
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 100])
-def test_min_tokens_delays_stop_strings(decode: Decode, encode: Any, chunk: int) -> None:
+def test_a_stop_string_ends_the_text_and_is_the_stop_reason(h: Harness, encode: Any) -> None:
+    """min_tokens holds back EOS and stop_token_ids in the engine, not stop strings (the
+    contract): the detokenizer cuts at the first stop string whatever the count."""
     ids = encode(STORY)
-    upto = next(k for k in range(1, len(ids)) if decode(ids[:k]).startswith("The river town"))
-
-    def run(min_tokens: int) -> IncrementalDetokenizer:
-        detok = IncrementalDetokenizer(decode, ["o"], min_tokens=min_tokens)
-        for i in range(0, len(ids), chunk):
-            detok.add(ids[i : i + chunk])
-        detok.finish()
-        return detok
-
-    assert run(0).text == "The river t"  # the first "o"
-    # vLLM's rule: the text of the first min_tokens tokens is not searched on its own
-    assert run(upto).text == "The river town w"  # "woke": the first "o" after them
-    assert run(len(ids)).text == STORY  # never past min_tokens: no stop string ends it
-
-
-def test_min_tokens_reaches_the_detokenizer(h: Harness, encode: Any) -> None:
-    ids = encode(STORY)
-    h.step(T0, starts=[info("a", max_tokens=100, stop=["river"], min_tokens=len(ids))])
+    h.step(T0, starts=[info("a", max_tokens=100, stop=["river"])])
     h.step(T0 + 1, events=[ev("a", 0, ids, "length")])
-    assert h.done("a").text == STORY and h.done("a").finish_reason == "length"
+    done = h.done("a")
+    assert done.text == "The " and done.finish_reason == "stop" and done.stop_reason == "river"
 
 
 def test_held_decode_steps_merge_their_entries() -> None:
