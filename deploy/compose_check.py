@@ -159,9 +159,7 @@ def kill_batch(tag: str) -> list[RequestMsg]:
 async def decode_killed(stack: Stack, amqp_url: str) -> Row:
     t0 = time.monotonic()
     async with ReplyLog(amqp_url) as log_:
-        ref_ids = await log_.send(kill_batch("reference"))
-        await log_.wait(ref_ids, 300)
-        reference = [log_.check_stream(rid).token_ids for rid in ref_ids]
+        reference = await log_.reference_tokens(kill_batch("reference"), 300)
         ids = await log_.send(kill_batch("killed"))
         await log_.wait_streaming(ids, min_tokens=20, timeout_s=120)
         (decode,) = stack.containers("decode")

@@ -26,7 +26,7 @@ from shared.config import BatonConfig
 from shared.wire.messages import ControlMsg, DoneReply, PrefillMsg, TokenReply
 from shared.wire.queues import CONTROL_EXCHANGE, DECODE_QUEUE, PREFILL_QUEUE, REQUESTS_QUEUE
 from shared.wire.validation import parse_request
-from tests.fault.harness import service_processes
+from tests.fault.harness import service_processes, streamed_done
 
 CONFIG = BatonConfig()
 
@@ -219,14 +219,8 @@ async def test_drain_finishes_running_work_and_leaves_new_work_queued() -> None:
             seen = [0] * 4
 
             async def one(i: int) -> DoneReply:
-                done = None
-                async for r in client.stream(f"story {i}", max_tokens=LONG, ignore_eos=True):
-                    if isinstance(r, TokenReply):
-                        seen[i] += len(r.token_ids)
-                    else:
-                        done = r
-                assert isinstance(done, DoneReply), done
-                return done
+                stream = client.stream(f"story {i}", max_tokens=LONG, ignore_eos=True)
+                return await streamed_done(stream, seen, i)
 
             running = asyncio.gather(*(one(i) for i in range(len(seen))))
             await _until("every request is decoding", lambda: min(seen) >= 20)

@@ -144,6 +144,15 @@ class ReplyLog:
             raise TimeoutError(f"{len(missing)} requests unanswered: {missing[:4]}")
         await asyncio.sleep(1.0)
 
+    async def reference_tokens(
+        self, msgs: Iterable[RequestMsg], timeout_s: float
+    ) -> list[list[int]]:
+        """Send ``msgs`` and wait for their answers: each one's tokens (``check_stream``), the
+        undisturbed run that a disturbed one's answers are compared with."""
+        ids = await self.send(msgs)
+        await self.wait(ids, timeout_s)
+        return [self.check_stream(rid).token_ids for rid in ids]
+
     async def until_unanswered(self, ids: list[str], at_most: int, timeout_s: float) -> None:
         """Until at most ``at_most`` of ``ids`` lack a terminal reply, or ``timeout_s`` passes."""
         await self._until(lambda: sum(not self.terminals(r) for r in ids) <= at_most, timeout_s)

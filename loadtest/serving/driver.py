@@ -56,13 +56,23 @@ def spawned_baton(
     SIGKILL to its process group only after 60 s."""
     base = free_port_block(len(METRICS_ENDPOINTS))
     env = {"BATON_MODEL": str(model_dir), "BATON_METRICS_PORT": str(base), **(env or {})}
-    with fresh_vhost(default_amqp_url(), prefix="baton-bench") as url:
+    with services_up(env, log_path, vhost_prefix="baton-bench") as system:
+        assert system.proc is not None
+        where = system.amqp_url.split("@")[-1]
+        say(f"spawned Baton (pid {system.proc.pid}) on {where}, log: {log_path}")
+        yield Target(system.amqp_url, system.proc.pid, metrics_ports(base))
+
+
+@contextlib.contextmanager
+def services_up(env: dict[str, str], log_path: Path, vhost_prefix: str) -> Iterator[LocalSystem]:
+    """`python -m services up`, started (not yet serving), in a fresh vhost of the default broker
+    when rabbitmqctl can make one. On leaving: SIGTERM, SIGKILL to its process group only after
+    60 s (services/launcher.py); how it ended is said, with its log's tail if not by SIGTERM."""
+    with fresh_vhost(default_amqp_url(), prefix=vhost_prefix) as url:
         system = LocalSystem(url, env=env, log_path=log_path)
         system.start()
-        assert system.proc is not None
-        say(f"spawned Baton (pid {system.proc.pid}) on {url.split('@')[-1]}, log: {log_path}")
         try:
-            yield Target(url, system.proc.pid, metrics_ports(base))
+            yield system
         finally:
             code = system.stop(timeout_s=60)
             if system.killed:

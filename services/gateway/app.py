@@ -112,18 +112,10 @@ class _Api:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def tokenize(self, request: Request) -> Response:
-        self._authorize(request)
-        body = await self._json(request)
-        if not isinstance(body, dict):
-            raise invalid("the request body must be a JSON object")
-        return JSONResponse(await self.tokenization.tokenize(body))
+        return JSONResponse(await self.tokenization.tokenize(await self._json_object(request)))
 
     async def detokenize(self, request: Request) -> Response:
-        self._authorize(request)
-        body = await self._json(request)
-        if not isinstance(body, dict):
-            raise invalid("the request body must be a JSON object")
-        return JSONResponse(await self.tokenization.detokenize(body))
+        return JSONResponse(await self.tokenization.detokenize(await self._json_object(request)))
 
     async def version(self, _request: Request) -> Response:
         return JSONResponse({"version": baton_version()})
@@ -147,6 +139,14 @@ class _Api:
                 "invalid_request_error", "invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )  # fmt: skip
+
+    async def _json_object(self, request: Request) -> dict[str, Any]:
+        """An authorized request's body, which must be a JSON object."""
+        self._authorize(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        return body
 
     async def _json(self, request: Request) -> Any:
         limit = self.config.gateway_max_body_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import aio_pika
 
@@ -56,6 +57,16 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
     return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean field of a request body: ``default`` when absent or null, else a boolean."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be a boolean, got {type(value).__name__}", name)
+    return value
 
 
 def from_error_reply(reply: ErrorReply) -> ApiError:

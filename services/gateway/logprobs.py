@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import invalid
+from services.gateway.errors import flag, invalid
 
 MIN_LOGPROB = -9999.0
 
@@ -46,7 +46,7 @@ class ResponseOptions:
 def parse_options(body: dict[str, Any], chat: bool, stream: bool) -> ResponseOptions:
     """The fields' types and combinations; ``max_tokens: 0`` is checked by the caller."""
     if chat:
-        wanted = _flag(body, "logprobs")
+        wanted = flag(body, "logprobs")
         top = _count(body, "top_logprobs")
         if top and not wanted:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
@@ -55,11 +55,11 @@ def parse_options(body: dict[str, Any], chat: bool, stream: bool) -> ResponseOpt
     else:
         value = body.get("logprobs")
         logprobs = None if value is False else _count(body, "logprobs")
-        echo = _flag(body, "echo")
+        echo = flag(body, "echo")
     prompt = _count(body, "prompt_logprobs")
     if prompt is not None and stream:
         raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
-    return ResponseOptions(logprobs, prompt, echo, False, _flag(body, "return_tokens_as_token_ids"))
+    return ResponseOptions(logprobs, prompt, echo, False, flag(body, "return_tokens_as_token_ids"))
 
 
 def baton_fields(options: ResponseOptions) -> dict[str, int]:
@@ -154,15 +154,6 @@ def _finite(logprob: float) -> float:
 
 def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
-
-
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be a boolean, got {type(value).__name__}", name)
-    return value
 
 
 def _count(body: dict[str, Any], name: str) -> int | None:

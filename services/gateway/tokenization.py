@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.gateway.api_requests import check_model, messages_of, text_of, token_ids_of
-from services.gateway.errors import invalid
+from services.gateway.errors import flag, invalid
 from shared.config import BatonConfig
 from shared.limits import Limits
 from shared.wire.errors import ProtocolError
@@ -58,9 +58,9 @@ class Tokenization:
             raise invalid("exactly one of prompt and messages is required")
         # vLLM's defaults: a prompt gets the special tokens HF adds to text (as a completion
         # does); a chat only what its template writes (as a chat completion does).
-        special = _flag(body, "add_special_tokens", default=not chat)
-        generation_prompt = _flag(body, "add_generation_prompt", default=True)
-        return_strs = _flag(body, "return_token_strs", default=False)
+        special = flag(body, "add_special_tokens", default=not chat)
+        generation_prompt = flag(body, "add_generation_prompt", default=True)
+        return_strs = flag(body, "return_token_strs", default=False)
         if chat:
             messages = messages_of(body.get("messages"))
         elif isinstance(body["prompt"], str):
@@ -120,12 +120,3 @@ class Tokenization:
         except ProtocolError as exc:  # the encoder's refusals: a chat template, the vocabulary
             param = exc.message.split(" ", 1)[0]
             raise invalid(exc.message, param if param in ("messages", "tokens") else None) from None
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be a boolean, got {type(value).__name__}", name)
-    return value

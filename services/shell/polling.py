@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TypeVar
 
 import structlog
 
@@ -27,6 +28,7 @@ from services.shell.service_metrics import ServiceMetrics
 from shared.config import BatonConfig
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 METRICS_INTERVAL_S = 2.0
 SPILL_MIN_INTERVAL_S = 1.0  # a folder scan: not more often for the policy either
@@ -103,20 +105,30 @@ class Poller:
         if due & {"policy_depths", "all_depths"}:
             # Every queue when the gauges want them; that reading serves the policy too.
             names = None if "all_depths" in due else self._policy_queues
-            try:
-                depths = await self.broker.queue_depths(names)
-            except Exception as exc:
-                failed("queue depth poll failed", error=str(exc))
-            else:
-                self.metrics.set_queue_depths(depths)
-                if self._on_depths is not None:
-                    self._on_depths(depths)
+            depths = self.broker.queue_depths(names)  # awaited by _take, which logs a failure
+            await _take(
+                "queue depth", depths, failed, self.metrics.set_queue_depths, self._on_depths
+            )
         if "spill" in due and self._read_spill is not None:
-            try:
-                used = await asyncio.to_thread(self._read_spill)
-            except Exception as exc:
-                failed("spill store poll failed", error=str(exc))
-            else:
-                self.metrics.set_spill_store_bytes(used)
-                if self._on_spill is not None:
-                    self._on_spill(used)
+            size = asyncio.to_thread(self._read_spill)
+            await _take(
+                "spill store", size, failed, self.metrics.set_spill_store_bytes, self._on_spill
+            )
+
+
+async def _take(
+    what: str,
+    reading: Awaitable[T],
+    failed: Callable[..., object],
+    *readers: Callable[[T], None] | None,
+) -> None:
+    """Await one reading and hand it to each of ``readers`` (the gauge, then the policy's
+    listener if any); a failure is logged and leaves the last values in place."""
+    try:
+        value = await reading
+    except Exception as exc:
+        failed(f"{what} poll failed", error=str(exc))
+        return
+    for reader in readers:
+        if reader is not None:
+            reader(value)

@@ -78,6 +78,19 @@ def _check_version(d: dict[str, Any], kind: str) -> None:
         )
 
 
+def _without_defaults(
+    obj: Any, fields: tuple[str, ...], additions: dict[str, Any]
+) -> dict[str, Any]:
+    """``fields`` of ``obj``, and each of ``additions`` that is not at its default (a message
+    leaves those out: see SCHEMA_VERSION)."""
+    d = {name: getattr(obj, name) for name in fields}
+    for name, default in additions.items():
+        value = getattr(obj, name)
+        if value != default:
+            d[name] = value
+    return d
+
+
 # The parsing of client requests (field by field, with limits) lives in shared/wire/validation.py;
 # RequestMsg is the validated result.
 @dataclass(frozen=True)
@@ -291,12 +304,7 @@ class StartInfo:
     n: int = 1  # choices (parallel sampling): one done reply each; left out at 1
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in _START_FIELDS}
-        for name, default in _START_ADDITIONS.items():
-            value = getattr(self, name)
-            if value != default:
-                d[name] = value
-        return d
+        return _without_defaults(self, _START_FIELDS, _START_ADDITIONS)
 
 
 _START_ADDITIONS: dict[str, Any] = {
@@ -330,12 +338,7 @@ class TokenEvent:
     choice_index: int = 0  # which choice of an n > 1 request
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in _EVENT_FIELDS}
-        for name, default in _EVENT_ADDITIONS.items():
-            value = getattr(self, name)
-            if value != default:
-                d[name] = value
-        return d
+        return _without_defaults(self, _EVENT_FIELDS, _EVENT_ADDITIONS)
 
 
 _EVENT_ADDITIONS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None, "choice_index": 0}

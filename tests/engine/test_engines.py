@@ -188,41 +188,42 @@ def test_deadline_expiry_retires_silently(tmp_path: Path) -> None:
 # --- failures ---------------------------------------------------------------------------------
 
 
-def test_a_prefill_forward_that_fails_once_fails_nobody(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The batch raises once; its halves, run again alone, succeed: nobody is failed, and the
-    tokens are those of an undisturbed run (isolation: shared/engine/engine.py)."""
-    reference = make_pair(tmp_path / "ref")
-    for i, rid in enumerate("abc", 1):
-        reference.add(rid, prompt(12, seed=i), greedy(6, ignore_eos=True))
-    expected = reference.run()
-
-    pair = make_pair(tmp_path, prefill={"prefill_max_num_seqs": 2})
-    calls = fail_once(monkeypatch, pair.prefill.runner, "prefill_choices")
+def with_abc(pair: EnginePair) -> EnginePair:
+    """``pair`` given requests a, b and c: 12-token prompts, 6 greedy tokens each."""
     for i, rid in enumerate("abc", 1):
         pair.add(rid, prompt(12, seed=i), greedy(6, ignore_eos=True))
-    with torch_threads(1):
-        out, _ = pair.step()
-    assert calls() == 3  # the batch of two, then each alone
-    assert out is not None and not out.errors
-    assert sorted(t.request_id for t in out.tokens) == ["a", "b"]
+    return pair
+
+
+def finishes_as(pair: EnginePair, expected: dict[str, list[int]]) -> None:
+    """The rest of ``pair``'s run ends with an undisturbed run's tokens: nobody failed, and
+    nothing is left behind."""
     pair.run()
     assert pair.tokens == expected and not pair.errors
     pair.assert_clean()
 
 
+def test_a_prefill_forward_that_fails_once_fails_nobody(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch raises once; its halves, run again alone, succeed: nobody is failed, and the
+    tokens are those of an undisturbed run (isolation: shared/engine/engine.py)."""
+    expected = with_abc(make_pair(tmp_path / "ref")).run()
+    pair = with_abc(make_pair(tmp_path, prefill={"prefill_max_num_seqs": 2}))
+    calls = fail_once(monkeypatch, pair.prefill.runner, "prefill_choices")
+    with torch_threads(1):
+        out, _ = pair.step()
+    assert calls() == 3  # the batch of two, then each alone
+    assert out is not None and not out.errors
+    assert sorted(t.request_id for t in out.tokens) == ["a", "b"]
+    finishes_as(pair, expected)
+
+
 def test_a_decode_forward_that_fails_once_fails_nobody(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = make_pair(tmp_path / "ref")
-    for rid in "abc":
-        reference.add(rid, prompt(12, seed=" abc".index(rid)), greedy(6, ignore_eos=True))
-    expected = reference.run()
-
-    pair = make_pair(tmp_path, decode={"max_num_seqs": 2})
-    for rid in "abc":
-        pair.add(rid, prompt(12, seed=" abc".index(rid)), greedy(6, ignore_eos=True))
+    expected = with_abc(make_pair(tmp_path / "ref")).run()
+    pair = with_abc(make_pair(tmp_path, decode={"max_num_seqs": 2}))
     with torch_threads(1):
         p_out, _ = pair.step()  # prefill hands all three off; decode admits a and b
         assert p_out is not None and len(p_out.handoffs) == 3
@@ -231,9 +232,7 @@ def test_a_decode_forward_that_fails_once_fails_nobody(
         out = pair.decode.step()
     assert not out.errors and len(out.tokens) == 2
     pair.collect(out)
-    pair.run()
-    assert pair.tokens == expected and not pair.errors
-    pair.assert_clean()
+    finishes_as(pair, expected)
 
 
 def test_a_failing_recompute_in_decode_fails_only_its_batch(

@@ -25,15 +25,10 @@ from tests.engine.test_swap_preemption import (
     hf_completions,
     run_ring,
 )
-from tests.runtime.helpers import EnginePair, ForwardLog, engine_config, greedy, tiny_model_dir
+from tests.runtime.helpers import EnginePair, ForwardLog, engine_config, greedy
 
 BLOCK_BYTES = 8192  # the tiny llama: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x fp32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from shared.engine.build import build_decode_engine, build_prefill_engine
 from shared.engine.outputs import AddResult, NewRequest
 from tests.engine.test_swap_preemption import (
     Wiring,
     hf_completions,
 )
-from tests.runtime.helpers import ForwardLog, engine_config, greedy, tiny_model_dir, torch_threads
+from tests.runtime.helpers import ForwardLog, engine_config, greedy, torch_threads
 
 LONG, SHORT = 48, 8  # output tokens: priority-0 generations, the urgent request
 PROMPTS = [[(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((19, 26, 33, 22))]
 MIN_STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return tiny_model_dir("llama")
 
 
 def test_urgent_request_preempts_a_full_batch_and_the_victim_resumes_elsewhere(

@@ -25,7 +25,6 @@ from tests.runtime.helpers import (
     engine_config,
     greedy,
     hf_greedy,
-    tiny_model_dir,
     torch_threads,
 )
 
@@ -98,11 +97,6 @@ def hf_completions(
             hf_greedy(hf, prompt, greedy(n, ignore_eos=True))
             for prompt, n in zip(prompts, max_tokens, strict=True)
         ]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return tiny_model_dir("llama")
 
 
 def test_sequences_swapped_out_on_one_decode_worker_resume_on_the_other(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,8 +14,11 @@ from services.launcher import ServiceProcesses, free_port_block, fresh_vhost
 from services.shell.registry import METRICS_ENDPOINTS, PIPELINE
 from shared.observability.http_server import read_metrics
 from shared.wire.messages import (
+    DoneReply,
+    Reply,
     RequestMsg,
     SamplingParams,
+    TokenReply,
 )
 
 ALL_SERVICES = PIPELINE  # the broker pipeline; the HTTP gateway plays no part in these tests
@@ -89,6 +92,19 @@ async def check_nothing_leaked(procs: ServiceProcesses, ports: Iterable[int] = (
             return
         await asyncio.sleep(0.5)
     raise AssertionError(f"spill entries left after 60 s: {entries}")
+
+
+async def streamed_done(replies: AsyncIterator[Reply], seen: list[int], i: int) -> DoneReply:
+    """The ``done`` reply that ends a client's stream, its tokens counted into ``seen[i]`` as
+    they come (for a test to strike while generation is under way)."""
+    done = None
+    async for r in replies:
+        if isinstance(r, TokenReply):
+            seen[i] += len(r.token_ids)
+        else:
+            done = r
+    assert isinstance(done, DoneReply), done
+    return done
 
 
 def batch(tag: str) -> list[RequestMsg]:

@@ -51,9 +51,7 @@ def system() -> Iterator[ServiceProcesses]:
 async def reference(system: ServiceProcesses) -> list[list[int]]:
     await system.wait_ready()
     async with ReplyLog(system.amqp_url) as log:
-        ids = await log.send(batch("reference"))
-        await log.wait(ids, 240)
-        return [log.check_stream(rid).token_ids for rid in ids]
+        return await log.reference_tokens(batch("reference"), 240)
 
 
 @pytest.fixture

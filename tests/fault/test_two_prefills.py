@@ -40,9 +40,7 @@ async def test_two_prefills_share_the_load_and_survive_a_kill(
     await procs.wait_ready()
     first_port = procs.metrics_port("prefill")
     async with ReplyLog(procs.amqp_url) as log:
-        ids = await log.send(batch("reference"))
-        await log.wait(ids, 300)
-        reference = [log.check_stream(rid).token_ids for rid in ids]
+        reference = await log.reference_tokens(batch("reference"), 300)
         served = [scrape(port).get(PROMPTS, 0) for port in (first_port, second_port)]
         assert all(n > 0 for n in served), f"both prefills took prompts: {served}"
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from shared.client import BatonClient
-from shared.wire.messages import DoneReply, TokenReply
-from tests.fault.harness import service_processes
+from shared.wire.messages import DoneReply
+from tests.fault.harness import service_processes, streamed_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,17 +24,10 @@ MAX_TOKENS = 600
 
 async def _run_all(client: BatonClient, seen: list[int]) -> list[DoneReply]:
     async def one(i: int, prompt: str) -> DoneReply:
-        done = None
         kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, wait_s=240)
         if i % 2:
             kw.update(temperature=0.8, seed=i)
-        async for r in client.stream(prompt, **kw):  # type: ignore[arg-type]
-            if isinstance(r, TokenReply):
-                seen[i] += len(r.token_ids)
-            else:
-                done = r
-        assert isinstance(done, DoneReply), done
-        return done
+        return await streamed_done(client.stream(prompt, **kw), seen, i)  # type: ignore[arg-type]
 
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
 

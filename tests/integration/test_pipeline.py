@@ -22,6 +22,7 @@ from shared.wire.messages import (
     decode_replies,
 )
 from shared.wire.queues import REQUESTS_QUEUE
+from tests.runtime.helpers import greedy, hf_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -46,19 +47,7 @@ async def test_stream_adds_up_to_done(client: BatonClient) -> None:
 def _hf_greedy(prompt_ids: list[int], max_new: int) -> list[int]:
     model_dir = resolve_model_dir(BatonConfig.from_env())
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    out = model.generate(
-        torch.tensor([prompt_ids]),
-        max_new_tokens=max_new,
-        do_sample=False,
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        pad_token_id=0,
-    )
-    new = out[0, len(prompt_ids) :].tolist()
-    eos = set(model.generation_config.eos_token_id or [])  # type: ignore[arg-type]
-    for i, t in enumerate(new):  # HF pads after EOS; Baton stops at it
-        if t in eos:
-            return new[: i + 1]
-    return new
+    return hf_greedy(model, prompt_ids, greedy(max_new))
 
 
 async def test_greedy_equals_hf_end_to_end(client: BatonClient) -> None:

@@ -15,6 +15,7 @@ from services.shell.common import resolve_model_dir
 from shared.client import BatonClient
 from shared.config import BatonConfig
 from shared.wire.messages import DoneReply, ErrorReply, TokenReply
+from tests.runtime.helpers import greedy, hf_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -33,18 +34,7 @@ def _model() -> Any:
 def _hf_greedy(prompt_ids: list[int], stop_ids: tuple[int, ...] = (), **kw: Any) -> list[int]:
     _, model = _model()
     eos = [*model.generation_config.eos_token_id, *stop_ids]
-    out = model.generate(
-        torch.tensor([prompt_ids]),
-        max_new_tokens=MAX_NEW,
-        do_sample=False,
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        pad_token_id=0,
-        eos_token_id=eos,
-        **kw,
-    )
-    new = out[0, len(prompt_ids) :].tolist()
-    ends = [i for i, t in enumerate(new) if t in eos]
-    return new[: ends[0] + 1] if ends else new  # HF pads after the end; Baton stops there
+    return hf_greedy(model, prompt_ids, greedy(MAX_NEW), eos_token_id=eos, **kw)
 
 
 async def _greedy(client: BatonClient, **kw: Any) -> DoneReply:

@@ -38,9 +38,7 @@ async def test_a_broker_node_killed_mid_stream_loses_nothing(cluster: list[Clust
     try:
         await procs.wait_ready()
         async with ReplyLog(url) as log:
-            ids = await log.send(batch("reference"))
-            await log.wait(ids, 240)
-            reference = [log.check_stream(rid).token_ids for rid in ids]
+            reference = await log.reference_tokens(batch("reference"), 240)
 
             ids = await log.send(batch("node-killed"))
             await log.wait_streaming(ids, min_tokens=20, timeout_s=120)

@@ -345,9 +345,12 @@ def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def hf_greedy(model: Any, prompt: list[int], params: SamplingParams) -> list[int]:
+def hf_greedy(
+    model: Any, prompt: list[int], params: SamplingParams, **generate_kw: Any
+) -> list[int]:
     """transformers' greedy continuation: stops at the model's EOS ids, or with ``ignore_eos``
     generates past them (``eos_token_id=None``: nothing is masked, exactly Baton's ignore_eos).
+    ``generate_kw``: more of ``generate``'s settings (``repetition_penalty``, other EOS ids).
 
     Passed as keyword arguments: a GenerationConfig object holding ``eos_token_id=None`` is
     merged with the model's defaults by transformers 5, which brings the EOS ids back.
@@ -360,6 +363,6 @@ def hf_greedy(model: Any, prompt: list[int], params: SamplingParams) -> list[int
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=params.max_tokens,
-            **overrides,
+            **(overrides | generate_kw),
         )
     return out[0, len(prompt) :].tolist()
