@@ -125,10 +125,4 @@ def cpu_signature() -> str:
 
 def cpu_vendor() -> str | None:
     """``vendor_id`` of /proc/cpuinfo (``AuthenticAMD``, ``GenuineIntel``); None elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    return cpu_isa.cpuinfo("vendor_id")

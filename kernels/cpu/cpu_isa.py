@@ -62,15 +62,21 @@ def march(flags: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(target if flag == "-march=native" else flag for flag in flags)
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo(*keys: str) -> str | None:
+    """The value of the first line of /proc/cpuinfo naming one of ``keys`` (it repeats them
+    per core); None where no line does, or there is no /proc/cpuinfo."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(keys):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    return set((cpuinfo("flags", "Features") or "").split())
 
 
 def computes_bf16() -> bool:

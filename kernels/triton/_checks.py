@@ -71,6 +71,32 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
         raise ValueError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
 
 
+def check_query(q: torch.Tensor) -> None:
+    """q [rows, Hq, D] as the attention kernels load it: a float dtype, dense rows (a strided
+    view of a fused qkv is fine), D a power of two in [16, 256] (tl.dot's and the tiles')."""
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_shape("q", q, (None, None, None))
+    check_power_of_two("head_dim", q.shape[2], 16, 256)
+    check_unit_last_stride("q", q)
+
+
+def check_head_groups(num_q_heads: int, num_kv_heads: int) -> None:
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of {num_kv_heads}")
+
+
+def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache/v_cache: one contiguous shape [num_blocks, block_size, Hkv, D] for an already
+    checked q (D its head dim), block_size a power of two and Hkv dividing q's heads; their
+    dtype is the caller's to check."""
+    check_shape("k_cache", k_cache, (None, None, None, q.shape[2]))
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_power_of_two("block_size", k_cache.shape[1])
+    check_head_groups(q.shape[1], k_cache.shape[2])
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a nominal 4 under the CPU interpreter."""
     if device.type == "cuda":

@@ -32,17 +32,13 @@ def attend_kv_tile(
     v_scale_ptr,
     block_table_ptr,  # this sequence's row of block_tables
     kv_head,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_sb,
-    stride_st,
-    stride_sh,
+    stride_kb, stride_kt, stride_kh,  # the caches' (block, position in block, head)
+    stride_sb, stride_st, stride_sh,  # the scales' (KV_INT8 only)
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KV_INT8: tl.constexpr,
-):
+):  # fmt: skip
     block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
     # int64 before the multiply: block_id * stride overflows int32 on caches of a few GB.
     block_ids = block_ids.to(tl.int64)

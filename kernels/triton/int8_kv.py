@@ -30,6 +30,7 @@ from kernels.triton.int8_ref import dequantize_kv_ref, quantize_kv_ref  # noqa: 
 from kernels.triton.paged_decode_attention import (
     FullPrecisionWindow,
     check_decode_args,
+    check_decode_tables,
     launch_paged_decode,
     paged_decode_attention,
 )
@@ -207,23 +208,16 @@ def paged_decode_attention_packed(
     """paged_decode_attention over an int8 cache of packed rows (``[blocks, bs, Hkv, D + 4]``,
     contiguous), read in place; ``fp``: its full-precision window (positions from
     ``fp.starts[b]`` on come from there); ``window``: a sliding window."""
+    check_decode_tables(q, block_tables, context_lens)
     _checks.check_device(q=q, k_pool=k_pool, v_pool=v_pool)
     _checks.check_dtype("k_pool", k_pool, (torch.int8,))
     _checks.check_same_dtype("v_pool", v_pool, "k_pool", k_pool)
+    _checks.check_shape("k_pool", k_pool, (None, None, None, q.shape[2] + 4))
+    _checks.check_shape("v_pool", v_pool, tuple(k_pool.shape))
+    _checks.check_head_groups(q.shape[1], k_pool.shape[2])
     _checks.check_contiguous("k_pool", k_pool)
     _checks.check_contiguous("v_pool", v_pool)
     (k_vals, k_scale), (v_vals, v_scale) = packed_views(k_pool), packed_views(v_pool)
-    _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
-    _checks.check_dtype("block_tables", block_tables, (torch.int32,))
-    _checks.check_dtype("context_lens", context_lens, (torch.int32,))
-    _checks.check_shape("q", q, (None, None, None))
-    _checks.check_shape("k_pool", k_pool, (None, None, None, q.shape[2] + 4))
-    _checks.check_shape("v_pool", v_pool, tuple(k_pool.shape))
-    _checks.check_shape("block_tables", block_tables, (q.shape[0], None))
-    _checks.check_shape("context_lens", context_lens, (q.shape[0],))
-    if q.shape[1] % k_pool.shape[2]:
-        raise ValueError(f"num_q_heads={q.shape[1]} is not a multiple of {k_pool.shape[2]}")
-    _checks.check_power_of_two("head_dim", q.shape[2], 16, 256)
     if fp is not None:
         for name, t in (("fp.k", fp.k), ("fp.v", fp.v)):
             _checks.check_same_dtype(name, t, "q", q)

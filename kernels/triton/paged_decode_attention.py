@@ -58,22 +58,12 @@ def _paged_decode_kernel(
     qk_scale,
     tokens_per_split,
     window,  # a sliding window; 0: none
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_sb,
-    stride_st,
-    stride_sh,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # k_cache's, which v_cache shares
+    stride_sb, stride_st, stride_sh,  # k_scale's, which v_scale shares
     stride_btb,
-    stride_fb,
-    stride_ft,
-    stride_fh,
-    stride_fbt,
-    stride_ob,
-    stride_oh,
-    stride_os,
+    stride_fb, stride_ft, stride_fh, stride_fbt,  # fp_k's (fp_v shares them), fp_tables'
+    stride_ob, stride_oh, stride_os,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -83,7 +73,7 @@ def _paged_decode_kernel(
     SPLIT_KV: tl.constexpr,
     HAS_FP: tl.constexpr,
     FP_BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -201,6 +191,21 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
 
 
+def check_decode_tables(
+    q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> None:
+    """q [B, Hq, D] (_checks.check_query), block_tables int32 [B, *] with dense rows and
+    context_lens int32 [B]: what every decode launch reads besides its cache."""
+    _checks.check_device(q=q, block_tables=block_tables, context_lens=context_lens)
+    _checks.check_query(q)
+    _checks.check_dtype("block_tables", block_tables, (torch.int32,))
+    _checks.check_dtype("context_lens", context_lens, (torch.int32,))
+    _checks.check_shape("block_tables", block_tables, (q.shape[0], None))
+    _checks.check_shape("context_lens", context_lens, (q.shape[0],))
+    _checks.check_unit_last_stride("block_tables", block_tables)
+    _checks.check_contiguous("context_lens", context_lens)
+
+
 def check_decode_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -209,29 +214,11 @@ def check_decode_args(
     context_lens: torch.Tensor,
     kv_dtypes: tuple[torch.dtype, ...],
 ) -> None:
-    _checks.check_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
-    )
-    _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
+    check_decode_tables(q, block_tables, context_lens)
+    _checks.check_device(q=q, k_cache=k_cache, v_cache=v_cache)
     _checks.check_dtype("k_cache", k_cache, kv_dtypes)
     _checks.check_same_dtype("v_cache", v_cache, "k_cache", k_cache)
-    _checks.check_dtype("block_tables", block_tables, (torch.int32,))
-    _checks.check_dtype("context_lens", context_lens, (torch.int32,))
-    _checks.check_shape("q", q, (None, None, None))
-    batch, num_q_heads, head_dim = q.shape
-    _checks.check_shape("k_cache", k_cache, (None, None, None, head_dim))
-    _checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    _checks.check_shape("block_tables", block_tables, (batch, None))
-    _checks.check_shape("context_lens", context_lens, (batch,))
-    _checks.check_power_of_two("head_dim", head_dim, 16, 256)
-    _checks.check_power_of_two("block_size", k_cache.shape[1])
-    if num_q_heads % k_cache.shape[2]:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of {k_cache.shape[2]}")
-    _checks.check_unit_last_stride("q", q)
-    _checks.check_contiguous("k_cache", k_cache)
-    _checks.check_contiguous("v_cache", v_cache)
-    _checks.check_unit_last_stride("block_tables", block_tables)
-    _checks.check_contiguous("context_lens", context_lens)
+    _checks.check_paged_cache(q, k_cache, v_cache)
 
 
 def launch_paged_decode(

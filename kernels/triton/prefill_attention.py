@@ -67,21 +67,17 @@ def _prefill_kernel(
     out_ptr,  # [total_q_tokens, Hq, D]
     qk_scale,
     window,  # a sliding window (used when HAS_WINDOW)
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # k_cache's, which v_cache shares
     stride_btb,
-    stride_ot,
-    stride_oh,
+    stride_ot, stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-):
+):  # fmt: skip
     q_head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
@@ -169,30 +165,21 @@ def prefill_attention(
         q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
         block_tables=block_tables,
     )  # fmt: skip
-    _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
+    _checks.check_query(q)
     _checks.check_same_dtype("k_cache", k_cache, "q", q)
     _checks.check_same_dtype("v_cache", v_cache, "q", q)
+    _checks.check_paged_cache(q, k_cache, v_cache)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         _checks.check_dtype(name, t, (torch.int32,))
         _checks.check_contiguous(name, t)
     _checks.check_dtype("block_tables", block_tables, (torch.int32,))
-    _checks.check_shape("q", q, (None, None, None))
-    total_q, num_q_heads, head_dim = q.shape
-    _checks.check_shape("k_cache", k_cache, (None, None, None, head_dim))
-    _checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
     _checks.check_shape("seq_lens", seq_lens, (None,))
     batch = seq_lens.shape[0]
     _checks.check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     _checks.check_shape("block_tables", block_tables, (batch, None))
-    _checks.check_power_of_two("head_dim", head_dim, 16, 256)
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    _checks.check_power_of_two("block_size", block_size)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of {num_kv_heads}")
-    _checks.check_unit_last_stride("q", q)
-    _checks.check_contiguous("k_cache", k_cache)
-    _checks.check_contiguous("v_cache", v_cache)
     _checks.check_unit_last_stride("block_tables", block_tables)
+    total_q, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if max_seqlen_q is None:

@@ -23,11 +23,11 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import cpu_isa
 from kernels.cpu.quant_formats import PACKED_TYPES, quantize
 from kernels.cpu.quant_linear import (
     F32_MAX_ROWS,
@@ -55,13 +55,7 @@ def per_call_us(fn: Callable[[], object], budget_s: float) -> float:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_isa.cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def bench(
