@@ -46,8 +46,12 @@ def run_one(name: str, config: BatonConfig) -> None:
     cpu_share = None
     if spec(name).runs_model and _shares_cpus(config, name):
         cpus = frozenset(os.sched_getaffinity(0))
+        prefill = name == "prefill"
         cpu_share = CpuShareManager(
-            table_path(config.amqp_url, cpus), len(cpus), prefill=name == "prefill"
+            table_path(config.amqp_url, cpus),
+            len(cpus),
+            prefill=prefill,
+            choose_threads=not prefill and config.decode_thread_choice,
         )
     service = spec(name).build(config, cpu_share)
     asyncio.run(run_until_signalled(service))

@@ -104,8 +104,15 @@ class BatonConfig:
     # With the cores shared (cpu_share), a decode step with work waits while prefill computes,
     # for at most this long since decode's last step (shared/engine/cpu_share.py
     # `decode_yields`): a prefill wave keeps every core, decode's running sequences get a token
-    # at least this often meanwhile. 0: decode never waits. Engines on their own cores never do.
+    # at least this often meanwhile; and never longer than the running streams' slack under
+    # slo_tpot_s (services/decode/service.py `yield_limit_s`). 0: decode never waits. Engines
+    # on their own cores never do.
     decode_yield_s: float = 0.5
+    # With the cores shared (cpu_share), decode chooses per batch size between every core of its
+    # share and one core fewer, left to the light services (broker, detokenizer, gateway), by
+    # which has given the faster steps here (shared/engine/thread_choice.py says why). Off:
+    # every core of its share.
+    decode_thread_choice: bool = True
     # CPUs each engine service is pinned to (a Linux CPU list, "0-3,8"; "" = anywhere): the CPU
     # analogue of separate GPUs, so a prefill burst cannot take decode's cores. With a list and
     # threads 0, the engine uses one thread per listed CPU. See services/shell/cpus.py.
@@ -288,7 +295,9 @@ class BatonConfig:
     detok_max_unacked: int = 50_000
     # Service-level objectives of goodput (``baton:request_goodput_total``): a finished request
     # meets them if its time to first token and its mean time per output token are at most
-    # these (seconds; 0 = no objective on that one).
+    # these (seconds; 0 = no objective on that one). slo_tpot_s also bounds how long decode
+    # yields to a prefill wave (decode_yield_s): a tighter objective keeps decode's pace, a
+    # looser one lends prefill more of the cores.
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.1
     # --- KV transport -------------------------------------------------------------------------

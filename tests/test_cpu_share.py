@@ -14,6 +14,13 @@ import pytest
 from services.__main__ import _engine_cpus
 from shared.config import BatonConfig
 from shared.engine.cpu_share import TTL_S, CpuShareManager, fair_share, table_path
+from shared.engine.thread_choice import (
+    EXPLORE_EVERY,
+    FIRST_TRIES,
+    WINDOW,
+    ThreadChoice,
+    bucket,
+)
 
 URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -161,3 +168,40 @@ def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyP
     assert _engine_cpus(BatonConfig()) == {}  # any model shares, the tiny one too
     assert _engine_cpus(BatonConfig(cpu_share=False)) == split
     assert _engine_cpus(BatonConfig(device="cuda")) == split  # only CPU engines share
+
+
+def test_thread_choice_runs_the_faster_option_per_batch_and_keeps_trying_the_other() -> None:
+    choice = ThreadChoice()
+    for _ in range(FIRST_TRIES):  # each option measured, alternately, every core first
+        assert choice.leave(2) is False
+        choice.record(2, False, 0.004)
+        assert choice.leave(3) is True  # 2 and 3 sequences share a bucket
+        choice.record(3, True, 0.002)
+    runs = [choice.leave(2) for _ in range(2 * EXPLORE_EVERY)]
+    assert runs.count(False) == 2  # the faster, but every EXPLORE_EVERY-th step the other
+    for _ in range(WINDOW):  # the load changes: leaving a core turns slower
+        choice.record(2, True, 0.006)
+    assert [choice.leave(2) for _ in range(EXPLORE_EVERY)].count(True) == 1
+    assert choice.leave(64) is False and bucket(64) != bucket(2)  # a new bucket starts over
+
+
+def test_a_decode_step_leaves_a_core_only_where_that_was_faster(table: Path) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        decode = CpuShareManager(table, 2, choose_threads=True)
+        assert decode.choice is not None
+        for _ in range(FIRST_TRIES):
+            decode.choice.record(1, False, 1.0)  # every core: slow
+            decode.choice.record(1, True, 0.001)
+        assert decode.run_step(True, torch.get_num_threads, seqs=1) == 1
+        assert decode.budget(busy=True, seqs=1) == 1  # between layers: the step's choice holds
+        prefill = CpuShareManager(table, 2, prefill=True)
+        prefill.budget(busy=True)
+        assert prefill.budget(busy=True) == 1  # and prefill sees decode busy, as ever
+        assert decode.run_step(True, torch.get_num_threads, seqs=1) == 1  # no choice: halves
+        prefill.idle()
+        assert CpuShareManager(table, 2).choice is None  # prefill, the default: no choice
+    finally:
+        torch.set_num_threads(before)

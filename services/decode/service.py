@@ -9,6 +9,8 @@ the replay emits the same tokens and the detokenizer drops the positions it alre
 
 from __future__ import annotations
 
+import time
+
 from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
@@ -40,6 +42,16 @@ class DecodeService(EngineService):
             cpu_share=cpu_share,
             yield_s=config.decode_yield_s,
         )
+        self.decode_engine, self.slo_tpot_s = engine, config.slo_tpot_s
+
+    def yield_limit_s(self, since: float) -> float:
+        """BATON_DECODE_YIELD_S, and no longer than the running streams' slack under
+        BATON_SLO_TPOT_S: the TPOT objective decides how much of decode's pace a prefill wave
+        (time to first token) may take."""
+        if self.slo_tpot_s <= 0:
+            return self.yield_s
+        slack = self.decode_engine.tpot_slack(self.slo_tpot_s, time.monotonic())
+        return min(self.yield_s, since + slack)
 
     def window(self, load: EngineLoad) -> int:
         self.shell.metrics.on_policy_times(self.policy.release_s, None)

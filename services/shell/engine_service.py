@@ -329,7 +329,11 @@ class EngineService(ABC):
         if share is None or not self.engine.has_work():
             return False
         since = time.monotonic() - self._last_step_at
-        return share.decode_yields(since, self.yield_s, self.engine.num_running)
+        return share.decode_yields(since, self.yield_limit_s(since), self.engine.num_running)
+
+    def yield_limit_s(self, since: float) -> float:
+        """How long since its last step the next step may wait for a prefill wave."""
+        return self.yield_s
 
     def _step(self) -> StepOutput:
         """One engine step, in the worker thread, at this engine's share of the cores."""

@@ -34,6 +34,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from shared.client.connection import split_urls
+from shared.engine.thread_choice import ThreadChoice
 
 T = TypeVar("T")
 # Every model shares, however small: with decode yielding to a prefill wave and OpenMP's team
@@ -86,10 +87,15 @@ class CpuShareManager:
         cores: int,
         clock: Callable[[], float] = time.time,
         prefill: bool = False,
+        choose_threads: bool = False,
     ) -> None:
         """``prefill``: this engine is a prefill engine (a decode engine yields to it,
-        :meth:`decode_yields`)."""
+        :meth:`decode_yields`). ``choose_threads``: a busy step may leave one core of its share
+        to the light services where that has been faster (shared/engine/thread_choice.py;
+        decode's BATON_DECODE_THREAD_CHOICE)."""
         self.path, self.cores, self.clock = path, cores, clock
+        self.choice = ThreadChoice() if choose_threads else None
+        self._leave = False  # the running step leaves a core (set in the step's thread)
         self.busy_mark = BUSY_PREFILL if prefill else BUSY
         self.pid = os.getpid()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -165,14 +171,30 @@ class CpuShareManager:
         """Mark this engine busy (serving ``seqs`` sequences) or idle, and alive, and return its
         thread count now."""
         self._write(busy, seqs)
-        return fair_share(self.cores, self.others_busy()) if busy else self.cores
+        if not busy:
+            return self.cores
+        return fair_share(self.cores - int(self._leave), self.others_busy())
 
     def run_step(self, busy: bool, step: Callable[[], T], seqs: int = 0) -> T:
         """``step`` with this engine's budget as torch's thread count (set only where this
         thread's differs); call it in the thread that runs the step."""
         self._seqs = seqs
+        choice, others = self.choice, self.others_busy()
+        # A choice only where the two options differ (not while another engine halves the cores).
+        if choice is None or not busy or self._options_equal(others):
+            self._leave = False
+            self._follow_budget(busy)
+            return step()
+        leave = self._leave = choice.leave(seqs)
         self._follow_budget(busy)
-        return step()
+        started = time.perf_counter()
+        out = step()
+        if self.threads == fair_share(self.cores - leave, others):  # no rebalance meanwhile
+            choice.record(seqs, leave, time.perf_counter() - started)
+        return out
+
+    def _options_equal(self, others_busy: int) -> bool:
+        return fair_share(self.cores, others_busy) == fair_share(self.cores - 1, others_busy)
 
     def _follow_budget(self, busy: bool) -> None:
         """torch's thread count in this thread set to the budget (only where it differs)."""

@@ -51,6 +51,18 @@ class DecodeEngine(EngineCore):
     kind = "decode"
     scheduler: DecodeScheduler
 
+    def tpot_slack(self, slo_tpot_s: float, now: float) -> float:
+        """Seconds every running sequence could still wait for its next token and keep its mean
+        time per output token since decode took it in within ``slo_tpot_s`` (inf with none
+        running): how long this engine may yield to a prefill wave without costing a stream
+        its TPOT objective."""
+        slack = float("inf")
+        for seq in self.scheduler.running.values():
+            if seq.started_at is not None:
+                tokens = seq.num_tokens - seq.num_prompt_tokens
+                slack = min(slack, slo_tpot_s * tokens - (now - seq.started_at))
+        return slack
+
     def _setup(self) -> DecodeScheduler:
         # ``spill``: where preempted sequences' KV goes (swap); None: preemption recomputes.
         self._swapped: dict[str, KVDescriptor] = {}  # swapped out this step, not yet handed on
