@@ -93,7 +93,9 @@ async def test_the_broker_node_killed_and_restarted_loses_nothing(node: ClusterN
                    for p, s in zip(PROMPTS, lib_seen, strict=True)]  # fmt: skip
             gw = [asyncio.create_task(_gateway_stream(base, p, s))
                   for p, s in zip(PROMPTS, gw_seen, strict=True)]  # fmt: skip
-            while min(sum(s) for s in lib_seen + gw_seen) < 10:  # every stream under way
+            # Every stream under way: ten tokens into each library stream, and past its first
+            # event into each gateway stream (whose events carry ~50 ms of tokens each).
+            while min(sum(s) for s in lib_seen) < 10 or min(len(s) for s in gw_seen) < 2:
                 assert not any(t.done() for t in lib + gw), "a stream ended before the fault"
                 await asyncio.sleep(0.05)
             in_flight = sum(not t.done() for t in lib + gw)
