@@ -105,7 +105,7 @@ class BatonConfig:
     # for at most this long since decode's last step (shared/engine/cpu_share.py
     # `decode_yields`): a prefill wave keeps every core, decode's running sequences get a token
     # at least this often meanwhile; and never longer than the running streams' slack under
-    # slo_tpot_s (services/decode/service.py `yield_limit_s`). 0: decode never waits. Engines
+    # slo_tpot_s (services/decode/service.py `yield_slack_s`). 0: decode never waits. Engines
     # on their own cores never do.
     decode_yield_s: float = 0.5
     # With the cores shared (cpu_share), decode chooses per batch size between every core of its

@@ -154,6 +154,9 @@ def test_decode_yields_to_a_busy_prefill_for_at_most_its_bound(table: Path) -> N
     assert not decode.decode_yields(0.5, 0.5, running=1)  # its bound reached: it steps
     assert not decode.decode_yields(0.1, 0.0, running=1)  # BATON_DECODE_YIELD_S=0: never
     assert not decode.decode_yields(0.1, 0.5, running=15)  # as many running as in the wave
+    # a stream already at its TPOT objective: no slack to lend the wave
+    assert not decode.decode_yields(0.1, 0.5, running=1, slack_s=lambda: -0.01)
+    assert decode.decode_yields(0.1, 0.5, running=1, slack_s=lambda: 0.05)
     prefill.budget(busy=True, seqs=2)  # arrivals: a small wave beside a large batch
     assert not decode.decode_yields(0.1, 0.5, running=30)
     prefill.idle()

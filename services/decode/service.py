@@ -9,6 +9,7 @@ the replay emits the same tokens and the detokenizer drops the positions it alre
 
 from __future__ import annotations
 
+import math
 import time
 
 from services.shell.common import resolve_model_dir
@@ -44,14 +45,12 @@ class DecodeService(EngineService):
         )
         self.decode_engine, self.slo_tpot_s = engine, config.slo_tpot_s
 
-    def yield_limit_s(self, since: float) -> float:
-        """BATON_DECODE_YIELD_S, and no longer than the running streams' slack under
-        BATON_SLO_TPOT_S: the TPOT objective decides how much of decode's pace a prefill wave
-        (time to first token) may take."""
+    def yield_slack_s(self) -> float:
+        """The running streams' slack under BATON_SLO_TPOT_S: the TPOT objective decides how
+        much of decode's pace a prefill wave (time to first token) may take."""
         if self.slo_tpot_s <= 0:
-            return self.yield_s
-        slack = self.decode_engine.tpot_slack(self.slo_tpot_s, time.monotonic())
-        return min(self.yield_s, since + slack)
+            return math.inf
+        return self.decode_engine.tpot_slack(self.slo_tpot_s, time.monotonic())
 
     def window(self, load: EngineLoad) -> int:
         self.shell.metrics.on_policy_times(self.policy.release_s, None)

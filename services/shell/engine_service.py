@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -329,11 +330,12 @@ class EngineService(ABC):
         if share is None or not self.engine.has_work():
             return False
         since = time.monotonic() - self._last_step_at
-        return share.decode_yields(since, self.yield_limit_s(since), self.engine.num_running)
+        return share.decode_yields(since, self.yield_s, self.engine.num_running, self.yield_slack_s)
 
-    def yield_limit_s(self, since: float) -> float:
-        """How long since its last step the next step may wait for a prefill wave."""
-        return self.yield_s
+    def yield_slack_s(self) -> float:
+        """How much longer, beyond ``yield_s``'s bound, the next step may wait for a prefill
+        wave (decode: its streams' slack under the TPOT objective)."""
+        return math.inf
 
     def _step(self) -> StepOutput:
         """One engine step, in the worker thread, at this engine's share of the cores."""

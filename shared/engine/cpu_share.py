@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import math
 import mmap
 import os
 import struct
@@ -142,11 +143,18 @@ class CpuShareManager:
     def others_busy(self) -> int:
         return len(self._others())
 
-    def decode_yields(self, since_step_s: float, yield_s: float, running: int) -> bool:
+    def decode_yields(
+        self,
+        since_step_s: float,
+        yield_s: float,
+        running: int,
+        slack_s: Callable[[], float] = lambda: math.inf,
+    ) -> bool:
         """Whether a decode engine running ``running`` sequences lets its next step wait: while
         a prefill engine of the deployment computes for more sequences than that, for at most
-        ``yield_s`` since its last step (``since_step_s`` ago). Waiting, it is marked idle, so
-        prefill takes every core at its next layer.
+        ``yield_s`` since its last step (``since_step_s`` ago), and while ``slack_s()`` (the
+        running streams' time to spare under the TPOT objective, asked last: it walks them) is
+        positive. Waiting, it is marked idle, so prefill takes every core at its next layer.
 
         Why: a decode step streams every weight whatever its batch, so beside a prefill wave a
         decode of one or two sequences (a burst's lone first request) would take half the cores
@@ -164,6 +172,8 @@ class CpuShareManager:
             return False
         if not any(mark == BUSY_PREFILL and seqs > running for mark, seqs in self._others()):
             return False
+        if slack_s() <= 0:
+            return False
         self.idle()
         return True
 
@@ -179,22 +189,24 @@ class CpuShareManager:
         """``step`` with this engine's budget as torch's thread count (set only where this
         thread's differs); call it in the thread that runs the step."""
         self._seqs = seqs
-        choice, others = self.choice, self.others_busy()
+        choice = self.choice
+        others = self.others_busy() if choice is not None and busy else 0
         # A choice only where the two options differ (not while another engine halves the cores).
-        if choice is None or not busy or self._options_equal(others):
+        if (
+            choice is None
+            or not busy
+            or fair_share(self.cores, others) == fair_share(self.cores - 1, others)
+        ):
             self._leave = False
             self._follow_budget(busy)
             return step()
         leave = self._leave = choice.leave(seqs)
         self._follow_budget(busy)
-        started = time.perf_counter()
+        threads, started = self.threads, time.perf_counter()
         out = step()
-        if self.threads == fair_share(self.cores - leave, others):  # no rebalance meanwhile
+        if self.threads == threads:  # not rebalanced meanwhile: the time is the option's
             choice.record(seqs, leave, time.perf_counter() - started)
         return out
-
-    def _options_equal(self, others_busy: int) -> bool:
-        return fair_share(self.cores, others_busy) == fair_share(self.cores - 1, others_busy)
 
     def _follow_budget(self, busy: bool) -> None:
         """torch's thread count in this thread set to the budget (only where it differs)."""
