@@ -139,6 +139,12 @@ class BatonConfig:
     # torch path (SDPA for prefill). See
     # kernels/cpu/paged_decode_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
     cpu_attention: str = "auto"
+    # The decode engine's fp32 / bf16 projections on CPU: "tiles" = weights regrouped into tiles
+    # of 16 rows with their own kernel (fp32 on AVX-512 or AVX2, bf16 on AVX512-BF16 or AMX; one
+    # FMA chain per output; the weight read at the memory's pace at decode's row counts) where
+    # the build has it; "library" = oneDNN's / MKL's packed forms. See
+    # kernels/cpu/dense_tiles.py and shared/runtime/linear_layout.py.
+    decode_linear: str = "tiles"
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512
     # kernels where the CPU has AVX-512; the process re-executes itself with a small library
     # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See kernels/cpu/mkl_dispatch.py.

@@ -1,12 +1,17 @@
 """The forms a projection weight takes on CPU: transposed for few rows, packed for more.
 
-Which packed form: **oneDNN's** (kernels/cpu/onednn_pack.py) where torch has oneDNN and the CPU
-runs the dtype natively: bf16 at every row count (AMX / avx512_bf16), fp32 at 4-48 rows, where it
-beats ``F.linear`` at decode's row counts and ties at prefill's. Else **MKL's** (fp32, from 4
-rows). One packed form per weight: the transposed one serves the rows it does not (a third copy
-of every fp32 weight for MKL's 49+ rows, no faster than the transposed one there, was not worth
-its memory). bf16 without oneDNN's bf16 stays plain. The measurements behind each choice:
-docs/perf-log.md ("MKL packed projections", "oneDNN prepacked projections").
+The decode engine's form, where the build has its kernel: **dense tiles**
+(kernels/cpu/dense_tiles.py; fp32 on AVX-512 or AVX2, bf16 on AVX512-BF16 or AMX), faster than
+the libraries' forms at decode's row counts; ``BATON_DECODE_LINEAR=library`` keeps the forms
+below (:func:`decode_tiles`). Elsewhere, and for tools and tests (no role), which packed form:
+**oneDNN's** (kernels/cpu/onednn_pack.py) where torch has oneDNN and the CPU runs the dtype
+natively: bf16 at every row count (AMX / avx512_bf16), fp32 at 4-48 rows, where it beats
+``F.linear`` at decode's row counts and ties at prefill's. Else **MKL's** (fp32, from 4 rows).
+One packed form per weight: the transposed one serves the rows it does not (a third copy of
+every fp32 weight for MKL's 49+ rows, no faster than the transposed one there, was not worth its
+memory). bf16 without oneDNN's bf16 stays plain. The measurements behind each choice:
+docs/perf-log.md ("Dense tiles for decode's projections", "MKL packed projections", "oneDNN
+prepacked projections").
 
 Two changes to how ``F.linear`` sees a weight, both chosen on whole decode steps (weights cold,
 as they are between steps):
@@ -30,10 +35,11 @@ output against Hugging Face with them.
 **One copy per engine.** Holding both forms would double each engine's weight memory (three
 copies with the buffers loading went through). So the engine's role picks the forms: prefill's
 forwards have hundreds of rows, where the forms are equal, so it keeps the transposed weight
-only; decode keeps the packed form alone, for every row count. The price: MKL's GEMV lead at one
-or two rows, and oneDNN's fp32 form outside 4-48 rows (a little slower than the transposed
-weight there). A weight MKL would pack into several times its bytes (its minimum buffer is a few
-MB) stays transposed. Without a role (tools, tests) both forms stay.
+only; decode keeps the tiled or packed form alone, for every row count. The price, where decode
+keeps a library's form: MKL's GEMV lead at one or two rows, and oneDNN's fp32 form outside 4-48
+rows (a little slower than the transposed weight there). A weight MKL would pack into several
+times its bytes (its minimum buffer is a few MB) stays transposed. Without a role (tools, tests)
+both forms stay.
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import mkl_pack, onednn_pack
+from kernels.cpu import dense_tiles, mkl_pack, onednn_pack
+from kernels.cpu.dense_tiles import DenseTileWeight
 from kernels.cpu.quant_linear import QuantWeight
-from shared.runtime.model import Projection
+from shared.runtime.model import CausalLM, Projection
 
 
 def transposed_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -71,13 +78,37 @@ def exact_prefill(weight: QuantWeight, head: bool) -> None:
         weight.small_max_rows = 0
 
 
+DECODE_LINEARS = ("tiles", "library")  # BATON_DECODE_LINEAR
+
+
+def decode_tiles(weight: torch.Tensor, choice: str = "tiles") -> bool:
+    """Whether the decode engine holds ``weight`` in dense tiles (kernels/cpu/dense_tiles.py):
+    wherever the build has the dtype's kernel, unless ``choice`` is "library"."""
+    if choice == "library" or (weight.dtype is torch.bfloat16 and weight.shape[1] % 2):
+        return False
+    return dense_tiles.available(weight.dtype)
+
+
+def embed_from_head(model: nn.Module, head: Projection, tiles: DenseTileWeight) -> None:
+    """A head tied to the embedding, held in tiles by the decode engine, serves the embedding's
+    row lookups too (:attr:`CausalLM.embed_packed`): the engine holds the vocabulary once, as
+    it does a GGUF model's."""
+    if not isinstance(model, CausalLM):
+        return
+    for module in (model.embed_tokens, head):
+        module.weight = nn.Parameter(module.weight.new_empty(module.weight.shape, device="meta"))
+    model.embed_packed = tiles
+
+
 def _packs_small(weight: torch.Tensor) -> bool:
     n, k = weight.shape
     return mkl_pack.packed_bytes(n, k) <= MAX_PACKED_GROWTH * weight.numel() * weight.element_size()
 
 
 @torch.inference_mode()
-def prepare_projections(model: nn.Module, role: str | None = None) -> int:
+def prepare_projections(
+    model: nn.Module, role: str | None = None, decode_linear: str = "tiles"
+) -> int:
     """Transpose every :class:`Projection`'s weight and, where oneDNN or MKL can, pack it too;
     returns the number packed. ``role``: which forms an engine keeps (the module's docstring).
     A head tied to the embedding stays as it is (the embedding's row gather wants
@@ -87,6 +118,8 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
     tied embedding gathers its rows from the tiles)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
+    if decode_linear not in DECODE_LINEARS:
+        raise ValueError(f"BATON_DECODE_LINEAR={decode_linear!r}: one of {DECODE_LINEARS}")
     # By storage: the loader assigns a tied head its own Parameter over the embedding's tensor.
     tied = {
         m.weight.data_ptr()
@@ -105,9 +138,11 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
         if not isinstance(module, Projection) or module.weight.is_meta:
             continue
         weight = module.weight.detach()
-        form: mkl_pack.PackedWeight | onednn_pack.OneDnnWeight | None = None
+        form: mkl_pack.PackedWeight | onednn_pack.OneDnnWeight | DenseTileWeight | None = None
         if role == "prefill":
             pass
+        elif role == "decode" and decode_tiles(weight, decode_linear):
+            form = DenseTileWeight(weight)
         elif onednn_pack.available(weight.dtype):
             form = onednn_pack.OneDnnWeight(weight)
         elif weight.dtype == torch.float32 and mkl_pack.available() and _packs_small(weight):
@@ -116,6 +151,8 @@ def prepare_projections(model: nn.Module, role: str | None = None) -> int:
             module.packed = form
             packed += 1
         if module.weight.data_ptr() in tied:
+            if role == "decode" and isinstance(form, DenseTileWeight):
+                embed_from_head(model, module, form)
             continue
         if role == "decode" and form is not None:
             form.min_rows, form.max_rows = 1, 1 << 62  # it serves every row count alone

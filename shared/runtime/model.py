@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu.dense_tiles import DenseTileWeight
 from kernels.cpu.layer_ops import LayerKernels
 from kernels.cpu.mkl_pack import PackedWeight
 from kernels.cpu.onednn_pack import OneDnnWeight
@@ -69,7 +70,7 @@ class Projection(nn.Linear):
     rest; the same products either way, up to the last bits. A GGUF weight kept quantized
     (:class:`QuantWeight`) serves every row count, and ``weight`` is then never read."""
 
-    packed: PackedWeight | OneDnnWeight | QuantWeight | None = None
+    packed: PackedWeight | OneDnnWeight | DenseTileWeight | QuantWeight | None = None
 
     def reset_parameters(self) -> None:
         """Nothing: weights come from the checkpoint. (nn.Linear's random init on the meta
@@ -194,9 +195,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     inv_freq: torch.Tensor  # fp32 RoPE frequencies (a non-persistent buffer)
-    # A quantized embedding (GGUF): rows are gathered and dequantized from it, and
-    # ``embed_tokens.weight`` stays on the meta device.
-    embed_packed: QuantWeight | None = None
+    # A quantized embedding (GGUF), or a tied head's dense tiles in the decode engine: rows are
+    # gathered (and dequantized) from it, and ``embed_tokens.weight`` stays on the meta device.
+    embed_packed: QuantWeight | DenseTileWeight | None = None
     # The final RMSNorm through C; see MLP.kernels.
     kernels: LayerKernels | None = None
 

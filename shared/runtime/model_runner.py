@@ -129,7 +129,7 @@ class ModelRunner:
         c_kernels = self.device.type == "cpu" and config.cpu_attention == "auto"
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
-            num_packed = prepare_projections(self.model, role)
+            num_packed = prepare_projections(self.model, role, config.decode_linear)
             release_freed_memory()  # the buffers loading went through
             log.info("projections transposed", packed=num_packed,
                      weight_bytes=self.model.weight_bytes())  # fmt: skip
