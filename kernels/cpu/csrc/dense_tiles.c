@@ -421,8 +421,9 @@ int baton_dense_tiles_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64
     }
 #endif
     const int64_t groups = (n + TR - 1) / TR;
-    const int T = m <= 3 ? 4 : 2; /* as AVX-512's fp32 (one vector a tile) */
-    const int64_t block = m <= 3 ? m : 12;
+    /* AVX-512's rule: a bf16 tile is one vector a k pair, as an fp32 tile one a k */
+    const int T = m <= FEW_ROWS ? FEW_TILES : MANY_TILES;
+    const int64_t block = m <= FEW_ROWS ? m : BLOCK_ROWS;
 #define BF16_RUN(T_, MB_)                                                                      \
     bf16_block(T_, MB_, w + g * TR * k, k, (const uint32_t *)(x + m0 * k), y + m0 * n, n, bias, \
                g * TR, n - g * TR)
