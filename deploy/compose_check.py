@@ -64,6 +64,13 @@ CLUSTER_HOSTS = "rabbitmq:5672,rabbitmq-2:5672,rabbitmq-3:5672"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")  # Debian's: what this machine trusts
 PROMPT = "Once upon a time"
 KILL_STREAMS, KILL_TOKENS = 32, 300
+KILL_AT = 20  # tokens every stream has when decode is killed
+# A replay whose KV was lost recomputes the prompt in the decode engine, whose kernels sum in
+# another order than the prefill engine's: its probabilities differ in the last bits, and a
+# seeded draw that falls within that of a boundary (~1e-6 a token) can move. One such stream
+# in the sixteen sampled ones is numerics; a replay that lost its seed or its positions moves
+# them all (docs/reliability.md, "What the fault tests check").
+MAX_SAMPLED_FLIPS = 1
 
 
 @dataclass
@@ -144,7 +151,8 @@ async def client_streams(amqp_url: str, n: int = 32, max_tokens: int = 32) -> Ro
 
 
 def kill_batch(tag: str) -> list[RequestMsg]:
-    """Half greedy, half seeded sampling: both must come out the same after the kill."""
+    """Half greedy (even indices), half seeded sampling (odd): both must come out the same
+    after the kill, but for the one draw :func:`sampled_flips` allows."""
     msgs = []
     for i in range(KILL_STREAMS):
         sampled = i % 2 == 1
@@ -161,7 +169,7 @@ async def decode_killed(stack: Stack, amqp_url: str) -> Row:
     async with ReplyLog(amqp_url) as log_:
         reference = await log_.reference_tokens(kill_batch("reference"), 300)
         ids = await log_.send(kill_batch("killed"))
-        await log_.wait_streaming(ids, min_tokens=20, timeout_s=120)
+        await log_.wait_streaming(ids, min_tokens=KILL_AT, timeout_s=120)
         (decode,) = stack.containers("decode")
         started = stack.inspect(decode)["State"]["StartedAt"]
         await asyncio.to_thread(sh, ["docker", "kill", decode], quiet=True)
@@ -171,13 +179,19 @@ async def decode_killed(stack: Stack, amqp_url: str) -> Row:
         await log_.wait(ids, 300)
         lost = [rid for rid in ids if not log_.terminals(rid)]
         doubled = [rid for rid in ids if len(log_.terminals(rid)) > 1]
-        wrong = []
-        for rid, ref in zip(ids, reference, strict=True):
+        wrong: list[str] = []
+        moved: list[str] = []
+        for i, (rid, ref) in enumerate(zip(ids, reference, strict=True)):
             try:
-                if log_.check_stream(rid).token_ids != ref:
-                    wrong.append(rid)
+                got = log_.check_stream(rid).token_ids
             except AssertionError:
                 wrong.append(rid)
+                continue
+            if got != ref:
+                late = len(got) == len(ref) and got[:KILL_AT] == ref[:KILL_AT]
+                (moved if i % 2 == 1 and late else wrong).append(rid)
+        if len(moved) > MAX_SAMPLED_FLIPS:
+            wrong += moved
         replays = log_.num_repeated(ids)
     (after,) = stack.containers("decode")
     # A new process in the same container (restarted) or a new container (recreated); either
@@ -185,7 +199,8 @@ async def decode_killed(stack: Stack, amqp_url: str) -> Row:
     restarted = stack.inspect(after)["State"]["StartedAt"] != started
     how = "recreated" if after != decode else "restarted" if restarted else "NOT restarted"
     note = (f"{in_flight} in flight at the kill; lost {len(lost)}, doubled {len(doubled)}, "
-            f"tokens differ {len(wrong)}; {replays} token positions received twice; "
+            f"tokens differ {len(wrong)} (sampled draws moved after the kill: {len(moved)}); "
+            f"{replays} token positions received twice; "
             f"decode {how}")  # fmt: skip
     bad = len(set(lost) | set(doubled) | set(wrong)) + (in_flight == 0) + (not restarted)
     return Row("decode killed mid-stream", time.monotonic() - t0, len(ids), bad, None, note)

@@ -178,38 +178,58 @@ INLINE void values_one(const float *restrict probs, const void *restrict v_pool,
 }
 
 #ifdef BATON_VECTOR_SCORES
-/* bf16, head sizes that are multiples of 16: each V row is widened once for its whole group of
- * query heads, which accumulate side by side (values_one walks the tokens once per query head:
- * right for fp32, whose row is re-read from cache, but it would widen each row `group` times). */
-INLINE void values_grouped_bf16(const float *restrict probs, const void *restrict v_pool,
-                                const int64_t *restrict table, int64_t start, int64_t len,
-                                int64_t num_heads, int64_t group, int64_t head_dim,
-                                int64_t block_size, int64_t stride, float *restrict out)
+/* Head sizes that are multiples of 16: each V row (bf16 widened once) is read once for a chunk
+ * of its group's query heads, whose sums stay in VALUE_REGS vector registers (head size 64: four
+ * heads at a time). values_one walks the tokens once per query head with its sums in memory:
+ * per token and query head a load, an FMA and a store for every 16 lanes, and bf16 rows widened
+ * once per query head. Each output is summed in the same order (over t, one FMA each), so the
+ * results are values_one's. */
+#if defined(__AVX512F__)
+#define VALUE_REGS 16 /* of 32 512-bit registers */
+#else
+#define VALUE_REGS 4 /* a v16 is two of AVX2's 16 registers */
+#endif
+
+INLINE void values_grouped(const float *restrict probs, const void *restrict v_pool,
+                           const int64_t *restrict table, int64_t start, int64_t len,
+                           int64_t num_heads, int64_t group, int64_t head_dim,
+                           int64_t block_size, int64_t stride, float *restrict out, int bf16)
 {
     const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
-    for (int64_t h = 0; h < num_kv_heads; h++) {
-        float acc[group * head_dim];
-        memset(acc, 0, sizeof acc);
-        const float *p = probs + h * group * stride - start; /* p[g * stride + t] */
-        for (int64_t t0 = start; t0 < len;) {
-            const int64_t off = t0 % block_size, next = t0 - off + block_size;
-            const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
-            const int64_t vb = (table[t0 / block_size] * block_size + off) * row + h * head_dim;
-            if (h == 0 && next < len)
-                prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, 1),
-                              (len - next < block_size ? len - next : block_size) * row * 2);
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t c = 0; c < head_dim; c += 16) {
-                    const v16 v = load16_as(kv_ptr(v_pool, vb + i * row + c, 1), 1);
-                    for (int64_t g = 0; g < group; g++) {
-                        const v16 a = load16(acc + g * head_dim + c) + p[g * stride + t0 + i] * v;
-                        memcpy(acc + g * head_dim + c, &a, sizeof a);
+    const int64_t esize = bf16 ? 2 : 4, nc = head_dim / 16;
+    const int64_t chunk = VALUE_REGS / nc > 0 ? VALUE_REGS / nc : 1;
+    for (int64_t h = 0; h < num_kv_heads; h++)
+        for (int64_t g0 = 0; g0 < group; g0 += chunk) {
+            const int64_t gn = group - g0 < chunk ? group - g0 : chunk;
+            v16 acc[VALUE_REGS] = {0};
+            const float *p = probs + (h * group + g0) * stride - start; /* p[g * stride + t] */
+            for (int64_t t0 = start; t0 < len;) {
+                const int64_t off = t0 % block_size, next = t0 - off + block_size;
+                const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+                const int64_t vb = (table[t0 / block_size] * block_size + off) * row + h * head_dim;
+                if (h == 0 && g0 == 0 && next < len) /* the first walk fetches; the rest hit cache */
+                    prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, bf16),
+                                  (len - next < block_size ? len - next : block_size) * row * esize);
+                for (int64_t i = 0; i < n; i++) {
+                    v16 v[VALUE_REGS] = {0}; /* (only the first nc are read) */
+#pragma GCC unroll 16
+                    for (int64_t c = 0; c < nc && c < VALUE_REGS; c++)
+                        v[c] = load16_as(kv_ptr(v_pool, vb + i * row + c * 16, bf16), bf16);
+#pragma GCC unroll 16
+                    for (int64_t g = 0; g < chunk; g++) {
+                        if (g >= gn) break;
+                        const float w = p[g * stride + t0 + i];
+#pragma GCC unroll 16
+                        for (int64_t c = 0; c < nc && c < VALUE_REGS; c++)
+                            acc[g * nc + c] += w * v[c];
                     }
                 }
-            t0 += n;
+                t0 += n;
+            }
+            for (int64_t g = 0; g < gn; g++)
+                for (int64_t c = 0; c < nc; c++)
+                    store16(out + (h * group + g0 + g) * head_dim + c * 16, acc[g * nc + c]);
         }
-        memcpy(out + h * group * head_dim, acc, sizeof acc);
-    }
 }
 #endif
 
@@ -234,9 +254,9 @@ INLINE void values_grouped_bf16(const float *restrict probs, const void *restric
 #endif
 #ifdef BATON_VECTOR_SCORES
 #define VALUES(pb, table, start, len, ob, D)                                                 \
-    (bf16 && (D) % 16 == 0                                                                   \
-         ? values_grouped_bf16(pb, v_pool, table, start, len, num_heads, group, D,           \
-                               block_size, stride, ob)                                       \
+    ((D) % 16 == 0 && (D) <= 16 * VALUE_REGS                                                 \
+         ? values_grouped(pb, v_pool, table, start, len, num_heads, group, D, block_size,    \
+                          stride, ob, bf16)                                                  \
          : values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size,        \
                       stride, ob, bf16))
 #else
