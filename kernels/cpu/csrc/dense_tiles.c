@@ -4,10 +4,10 @@
  * Why: at decode's row counts a linear reads its whole weight to do a few FLOPs a byte, so it
  * runs at the memory's pace or not at all. In this layout lane r of a vector is weight row r:
  * each k costs one vector load of sixteen rows' weights and one FMA per x row, with x[m, k] as
- * a broadcast, and no horizontal sums. Several tiles run at once when there are few x rows
- * (more independent FMA chains and memory streams), one tile against up to 16 x rows (AVX-512;
- * 6 on AVX2) when there are many; a tile is 64 * K bytes, so the rows past the first block
- * read it from L1 / L2.
+ * a broadcast, and no horizontal sums. Four tiles run at once against up to 3 x rows (more
+ * independent FMA chains and memory streams); more rows meet two tiles in blocks of 12 (AVX2:
+ * one tile, blocks of 6), the blocks after the first reading the tiles from L1 / L2. On AMX a
+ * bf16 tile's 32 k are tdpbf16ps's B operand as they lie (amx_linear_bf16).
  *
  * Layouts (rows padded to a multiple of 16 with zeros; the tiles of rows g*16 .. g*16+15 are
  * the g-th 16 * K elements, so the tensor keeps N_padded * K elements):
@@ -21,8 +21,9 @@
  * products are exact in fp32 and summed in fp32 (vdpbf16ps, round to nearest even, denormals
  * flushed), then rounded once to bf16 after the bias, as oneDNN's bf16 linear does.
  *
- * Builds: fp32 on AVX-512F or AVX2+FMA, bf16 on AVX512_BF16; baton_dense_tiles_isa() says
- * which (the wrapper keeps the weight's other forms where this build has none).
+ * Builds: fp32 on AVX-512F or AVX2+FMA, bf16 on AVX512_BF16 (and AMX where the CPU and the
+ * kernel grant it); baton_dense_tiles_f32_isa() / _bf16_isa() say which (the wrapper keeps the
+ * weight's other forms where this build has none).
  *
  * Threads: each call splits the groups of 16 rows into `parts` contiguous ranges on torch's
  * OpenMP team (libgomp resolves to the copy torch loaded, as in quant_linear.c). */
