@@ -2,16 +2,17 @@
 the decode engine's form of an unquantized weight where the build has the kernel.
 
 :meth:`DenseTileWeight.linear` is ``F.linear(x, weight, bias)`` for any row count, summed in
-another order: one FMA chain along k per output (bf16: ``vdpbf16ps`` pairs, fp32 sums, one
-rounding to bf16 after the bias), so a row's result does not depend on the batch it came in.
-It reads the weight once per call at a decode step's row counts (several tiles at once for a
-few rows, one tile against blocks of 16 for more) and runs at the memory's pace there, where
-oneDNN's and MKL's small-M paths do not (docs/perf-log.md, "Dense tiles for decode's
-projections"). The layouts: the C file.
+another order: one accumulation chain along k per output (bf16: ``vdpbf16ps`` pairs or AMX's
+``tdpbf16ps``, fp32 sums, one rounding to bf16 after the bias), so a row's result does not
+depend on the batch it came in. It reads the weight once per call at a decode step's row counts
+(four tiles at once for up to 3 rows, two tiles against blocks of 12 for more) and runs at the
+memory's pace there, where oneDNN's and MKL's small-M paths do not (docs/perf-log.md, "Dense
+tiles for decode's projections"). The layouts: the C file.
 
-Builds: fp32 on AVX-512F or AVX2 + FMA; bf16 on AVX512-BF16. :func:`available` says whether a
-dtype has its kernel here. Each call splits the weight's groups of 16 rows into
-``torch.get_num_threads()`` parts (read at each call), fewer for a small call.
+Builds: fp32 on AVX-512F or AVX2 + FMA; bf16 on AVX512-BF16, through AMX where the CPU has it.
+:func:`available` says whether a dtype has its kernel here. Each call splits the weight's
+groups of 16 rows into ``torch.get_num_threads()`` parts (read at each call), fewer for a small
+call.
 """
 
 from __future__ import annotations
