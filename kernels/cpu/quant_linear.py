@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import cpu_isa, onednn_pack
 from kernels.cpu.build import CSRC, load_library, split_parts
 from kernels.cpu.quant_formats import (
     BLOCK,
@@ -83,6 +84,13 @@ MIN_PART_ELEMS = 1 << 16
 SCRATCH_MAX_BYTES = 64 << 20
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def bf16_gemm() -> bool:
+    """Whether a bf16 GEMM runs natively here (oneDNN's bf16: AMX or AVX512-BF16, and the
+    process's ISA setting allows it); else bf16 calls compute in fp32."""
+    return cpu_isa.computes_bf16() and onednn_pack.available(torch.bfloat16)
 
 
 def linear_parts(m: int, n: int, k: int) -> int:
@@ -415,8 +423,10 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for 2-D fp32 or bf16 CPU ``x``, in x's
-        dtype (bf16 computes in fp32): up to the fp32 sums' order, but for the int8 kernel's
-        rounding of x in small_mode "int8" (up to small_max_rows rows)."""
+        dtype: up to the fp32 sums' order, but for the int8 kernel's rounding of x in
+        small_mode "int8" (up to small_max_rows rows). bf16 computes in fp32, except above
+        small_max_rows where the CPU has a native bf16 GEMM (:meth:`linear_dequantized_bf16`:
+        the weight rounded to bf16)."""
         kernels = self.kernels
         if (
             x.dtype is torch.float32
@@ -451,6 +461,8 @@ class QuantWeight:
         if bias is not None and bias.shape != self._bias_shape:
             raise ValueError(f"bias {tuple(bias.shape)}: not [{self.out_features}]")
         dtype = x.dtype
+        if dtype is torch.bfloat16 and x.shape[0] > self.small_max_rows and bf16_gemm():
+            return self.linear_dequantized_bf16(x, bias)
         xf = x.float() if dtype != torch.float32 else x
         if xf.stride(1) != 1:
             xf = xf.contiguous()
@@ -468,6 +480,19 @@ class QuantWeight:
         else:
             y = self.linear_dequantized(xf, b)
         return y if dtype == torch.float32 else y.to(dtype)
+
+    def linear_dequantized_bf16(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The path above small_max_rows for bf16 ``x`` where the CPU computes bf16 natively
+        (AMX / AVX512-BF16): the weight dequantized (fp32, exact) and rounded once to bf16, then
+        a bf16 GEMM, as a bf16 model of the dequantized weights computes. A prompt's forward
+        runs several times faster than in fp32 (docs/perf-log.md, "Dense tiles for decode's
+        projections")."""
+        scratch = _scratch_for(self.out_features * self.in_features)
+        w = self._dequantize(scratch).to(torch.bfloat16)
+        b = None if bias is None else bias.to(torch.bfloat16)
+        return F.linear(x if x.stride(1) == 1 else x.contiguous(), w, b)
 
     def linear_dequantized(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The path above small_max_rows for any fp32 ``x``: the weight dequantized into this

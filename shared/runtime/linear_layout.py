@@ -66,7 +66,8 @@ MAX_PACKED_GROWTH = 1.25
 
 
 def exact_prefill(weight: QuantWeight, head: bool) -> None:
-    """A GGUF weight in the prefill engine computes exactly (up to fp32 summation order), not
+    """A GGUF weight in the prefill engine computes exactly (up to fp32 summation order; a bf16
+    model through a bf16 GEMM of the weight rounded to bf16 where the CPU has one), not
     with int8 activations: a prompt's forward has hundreds of rows, where dequantizing the
     weight once and running SGEMM costs what the int8 kernel does (cpu_quant_linear.py), and
     the first token then agrees with the dequantized model wherever it is not a near-tie. The

@@ -324,6 +324,23 @@ def test_non_finite_x(kernels: QuantKernels) -> None:
     _check_non_finite(kernels.linear)
 
 
+def test_bf16_above_the_small_kernel_is_a_bf16_gemm(kernels: QuantKernels) -> None:
+    """A prompt's bf16 rows over a packed weight: the weight dequantized and rounded to bf16,
+    then a bf16 GEMM where the CPU has one (a bf16 model of the dequantized weights); else the
+    fp32 path, rounded at the end."""
+    g, raw = _seeded_weight(5, 64, 96, QuantType.Q4_1)
+    weight = QuantWeight(raw, QuantType.Q4_1, 96, kernels, small_max_rows=0)
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    bias = torch.randn(64, generator=g).bfloat16()
+    out = weight.linear(x, bias)
+    assert out.dtype == torch.bfloat16
+    w = weight.dequantize()
+    if cpu_quant_linear.bf16_gemm():
+        assert torch.equal(out, F.linear(x, w.bfloat16(), bias))
+    else:
+        assert torch.equal(out, F.linear(x.float(), w, bias.float()).bfloat16())
+
+
 def test_bf16_strided_bias_and_refusals(kernels: QuantKernels) -> None:
     g, raw = _seeded_weight(4, 64, 96, QuantType.Q4_1)
     weight = QuantWeight(raw, QuantType.Q4_1, 96, kernels)
