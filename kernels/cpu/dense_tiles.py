@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.build import CSRC, load_library, split_parts
+from kernels.cpu.quant_linear import row_ids
 
 SOURCE = CSRC / "dense_tiles.c"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -51,17 +52,15 @@ class DenseTileKernels:
         self._rows = lib.baton_dense_tiles_rows
         self._rows.argtypes, self._rows.restype = [_P, _I, _I, _P, _I, _P], ctypes.c_int
         self._linear = {}
+        self.isa: dict[torch.dtype, str] = {}  # the kernel's path per dtype; "" = none
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             isa = getattr(lib, f"baton_dense_tiles_{suffix}_isa")
             isa.argtypes, isa.restype = [], ctypes.c_char_p
-            if isa().decode():
+            self.isa[dtype] = isa().decode()
+            if self.isa[dtype]:
                 fn = getattr(lib, f"baton_dense_tiles_linear_{suffix}")
                 fn.argtypes, fn.restype = [_P, _I, _I, _I, _P, _P, _P, _I], ctypes.c_int
                 self._linear[dtype] = fn
-        f32_isa = lib.baton_dense_tiles_f32_isa
-        self.isa: dict[torch.dtype, str] = {torch.float32: f32_isa().decode()}
-        bf16_isa = lib.baton_dense_tiles_bf16_isa
-        self.isa[torch.bfloat16] = bf16_isa().decode()
 
     def has(self, dtype: torch.dtype) -> bool:
         return dtype in self._linear
@@ -150,11 +149,7 @@ class DenseTileWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``[*ids.shape, in_features]``: rows ``ids`` of the weight (a tied embedding's
         lookup)."""
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"ids must be integer, got {ids.dtype}")
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
-            raise IndexError(f"row ids out of range for {self.out_features} rows")
+        flat = row_ids(ids, self.out_features)
         return self.kernels.rows(self.tiles, flat, 0).view(*ids.shape, self.in_features)
 
     def weight(self) -> torch.Tensor:

@@ -93,6 +93,17 @@ def bf16_gemm() -> bool:
     return cpu_isa.computes_bf16() and onednn_pack.available(torch.bfloat16)
 
 
+def row_ids(ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``ids`` flat, contiguous int64, checked to name rows of a ``num_rows``-row weight: what a
+    C gather (an embedding's lookup) needs and cannot check itself."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be integer, got {ids.dtype}")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < num_rows):
+        raise IndexError(f"row ids out of range for {num_rows} rows")
+    return flat
+
+
 def linear_parts(m: int, n: int, k: int) -> int:
     """How many ranges an int8 call of ``m`` rows over an ``n x k`` weight splits into: its
     work counted in (weight row x 8 x rows x 32 inputs) steps, as the kernel's tiles run."""
@@ -398,11 +409,7 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 ``[*ids.shape, in_features]``: rows ``ids`` dequantized (an embedding lookup)."""
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"ids must be integer, got {ids.dtype}")
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
-            raise IndexError(f"row ids out of range for {self.out_features} rows")
+        flat = row_ids(ids, self.out_features)
         return self._dequantize(ids=flat).view(*ids.shape, self.in_features)
 
     def select_rows(self, order: torch.Tensor) -> QuantWeight:

@@ -110,13 +110,14 @@ def _packs_small(weight: torch.Tensor) -> bool:
 def prepare_projections(
     model: nn.Module, role: str | None = None, decode_linear: str = "tiles"
 ) -> int:
-    """Transpose every :class:`Projection`'s weight and, where oneDNN or MKL can, pack it too;
-    returns the number packed. ``role``: which forms an engine keeps (the module's docstring).
-    A head tied to the embedding stays as it is (the embedding's row gather wants
-    ``[vocab, hidden]``, contiguous); it is still packed. A GGUF weight kept quantized
-    (:class:`QuantWeight`) computes exactly in the prefill engine (:func:`exact_prefill`) and
-    is regrouped into its int8 kernel's tiles elsewhere (:meth:`QuantWeight.tile`, in place: a
-    tied embedding gathers its rows from the tiles)."""
+    """Transpose every :class:`Projection`'s weight and, where dense tiles (the decode role,
+    ``decode_linear``), oneDNN or MKL can, pack it too; returns the number packed. ``role``:
+    which forms an engine keeps (the module's docstring). A head tied to the embedding stays as
+    it is (the embedding's row gather wants ``[vocab, hidden]``, contiguous) and is still
+    packed; in the decode engine's tiles it serves the embedding too (:func:`embed_from_head`).
+    A GGUF weight kept quantized (:class:`QuantWeight`) computes exactly in the prefill engine
+    (:func:`exact_prefill`) and is regrouped into its int8 kernel's tiles elsewhere
+    (:meth:`QuantWeight.tile`, in place: a tied embedding gathers its rows from the tiles)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
     if decode_linear not in DECODE_LINEARS:

@@ -367,8 +367,9 @@ int baton_dense_tiles_linear_f32(const float *x, int64_t m, int64_t n, int64_t k
 }
 
 #if defined(HAVE_AMX)
-/* baton_dense_tiles_linear_bf16 on AMX (k a multiple of 32): runs of up to four tiles against
- * blocks of 16 x rows. */
+/* baton_dense_tiles_linear_bf16 on AMX (k a multiple of 32): runs of up to four tiles, each
+ * against the x rows in blocks of 16, so a run is read from memory once and its later blocks
+ * find it in L2 (a prompt's recompute has hundreds of rows). */
 static void amx_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64_t k,
                             const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t parts)
 {
@@ -378,12 +379,13 @@ static void amx_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64_t k,
         const int64_t g1 = groups * (p + 1) / parts;
         float acc[4 * TR * TR];
         int64_t configured = 0;
-        for (int64_t m0 = 0; m0 < m; m0 += TR) {
-            const int64_t rows = m - m0 < TR ? m - m0 : TR;
-            if (rows != configured) amx_configure(configured = rows);
-            for (int64_t g = groups * p / parts; g < g1; g += 4) {
-                const int t = g1 - g < 4 ? (int)(g1 - g) : 4;
-                const uint16_t *wg = w + g * TR * k, *xm = x + m0 * k;
+        for (int64_t g = groups * p / parts; g < g1; g += 4) {
+            const int t = g1 - g < 4 ? (int)(g1 - g) : 4;
+            const uint16_t *wg = w + g * TR * k;
+            for (int64_t m0 = 0; m0 < m; m0 += TR) {
+                const int64_t rows = m - m0 < TR ? m - m0 : TR;
+                if (rows != configured) amx_configure(configured = rows);
+                const uint16_t *xm = x + m0 * k;
                 switch (t) {
                 case 4: amx_sums(4, wg, k, xm, acc); break;
                 case 3: amx_sums(3, wg, k, xm, acc); break;
@@ -402,7 +404,7 @@ static void amx_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64_t k,
                 }
             }
         }
-        _tile_release();
+        if (configured) _tile_release();
     }
 }
 #endif
