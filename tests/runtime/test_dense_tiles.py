@@ -15,7 +15,7 @@ from shared.runtime.model import Projection
 from shared.runtime.model_runner import ModelRunner
 from tests.runtime.helpers import tiny_model_dir
 
-SHAPES = [(960, 576), (576, 1536), (40, 64), (7, 6), (1, 2)]
+SHAPES = [(960, 576), (576, 1536), (33, 200), (40, 64), (7, 6), (1, 2)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 64]
 
 

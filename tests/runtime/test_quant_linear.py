@@ -18,7 +18,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -308,9 +309,9 @@ def test_both_small_modes_and_the_threshold_are_reachable(kernels: QuantKernels)
         QuantWeight(raw, QuantType.Q4_1, 96, kernels, small_mode="bf16")
 
 
-def _check_non_finite(linear: Linear) -> None:
+def _check_non_finite(linear: Linear, types: Iterable[QuantType] = TYPES) -> None:
     """A NaN in a row of x makes the row's outputs NaN, an inf makes them non-finite."""
-    for qtype in TYPES:
+    for qtype in types:
         raw = quantize(torch.randn(9, 64), qtype)
         x = torch.randn(3, 64)
         x[0, 40] = float("nan")
@@ -433,6 +434,19 @@ VARIANTS = {
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def _tiled(
+    kernels: QuantKernels,
+    raw: torch.Tensor,
+    qtype: QuantType,
+    k: int,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``QuantKernels.linear``'s arguments through the tiled kernel of ``kernels``."""
+    tiles = kernels.pack_tiles(raw, qtype, k)
+    return kernels.linear_tiles(tiles, qtype, raw.shape[0], k, x, bias)
+
+
 @pytest.mark.parametrize("isa", list(VARIANTS))
 def test_other_builds(isa: str) -> None:
     march, needs = VARIANTS[isa]
@@ -443,10 +457,23 @@ def test_other_builds(isa: str) -> None:
     tiles = load_library(TILES_SOURCE, flags, None, fallback="nothing (a test build)")
     variant = QuantKernels(*built_or_skip(built, "the native build"), tiles)
     assert variant.isa == isa
-    # the tiled layout's kernel is AVX-512 VNNI's: these builds keep the row layout
-    assert tiles is not None and variant.tile_rows == 0 and variant.tiles_isa == "none"
+    # AVX2 builds tile Q4_0 / Q4_1 (bit for bit as AVX-512 VNNI's tiles); portable C tiles none
+    assert tiles is not None
+    tiled_types = {QuantType.Q4_0, QuantType.Q4_1} if isa.startswith("avx2") else set()
+    assert variant.tiles_isa == ("avx2" if tiled_types else "none")
+    assert {t for t in TYPES if variant.tiles(t)} == tiled_types
     assert not QuantWeight(quantize(torch.randn(3, 64), QuantType.Q8_0), QuantType.Q8_0, 64,
                            variant).tile()  # fmt: skip
+    native = load_quant_kernels()
+    for qtype in tiled_types:
+        raw = quantize(torch.randn(577, 576, generator=torch.Generator().manual_seed(2)), qtype)
+        weight = QuantWeight(raw.clone(), qtype, 576, variant)
+        assert weight.tile()
+        x = torch.randn(19, 576)
+        got = weight.linear(x)
+        _check_int8(partial(_tiled, variant), qtype, 66, 576, [1, 2, 9, 17])
+        if native is not None and native.tiles_isa == "avx512-vnni":
+            assert torch.equal(got, _tiled(native, raw, qtype, 576, x, None))
     for qtype in TYPES:
         for n, k in ((7, 64), (66, 576)):
             _check_int8(variant.linear, qtype, n, k, [1, 2, 9, 17])

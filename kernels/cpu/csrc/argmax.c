@@ -2,37 +2,35 @@
  *
  * torch.max(dim=-1) tracks an index beside every compared value, one lane at a time: a visible
  * share of a small model's decode step at large batches. Here each row takes two passes: a
- * 16-lane maximum, then a scan for its first
- * occurrence (the row is in L1/L2 by then). The answer is torch's exactly: the first index of the
+ * vector maximum (vec16.h's VN lanes: on AVX2 a 16-lane compare becomes scalar code), then a
+ * scan for its first occurrence (the row is in L1/L2 by then). The answer is torch's exactly: the first index of the
  * maximum, and a NaN counts as larger than any number (the first NaN's index if the row has one).
  */
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+#include "vec16.h"
 
 static int64_t argmax_row(const float *restrict p, int64_t n)
 {
     int64_t j = 0;
     float best = p[0];
     int has_nan = 0;
-    if (n >= 16) {
-        v16 m, x;
-        vi16 nan = {0};
-        memcpy(&m, p, sizeof m);
-        for (j = 0; j + 16 <= n; j += 16) {
-            memcpy(&x, p + j, sizeof x);
-            const vi16 gt = x > m;
-            m = (v16)(((vi16)x & gt) | ((vi16)m & ~gt));
+    if (n >= VN) {
+        vn m = loadn(p);
+        vni nan = {0};
+        for (j = 0; j + VN <= n; j += VN) {
+            const vn x = loadn(p + j);
+            const vni gt = x > m;
+            m = (vn)(((vni)x & gt) | ((vni)m & ~gt));
             nan |= x != x;
         }
-        float lanes[16];
-        int32_t nans[16];
+        float lanes[VN];
+        int32_t nans[VN];
         memcpy(lanes, &m, sizeof lanes);
         memcpy(nans, &nan, sizeof nans);
         best = lanes[0];
-        for (int l = 0; l < 16; l++) {
+        for (int l = 0; l < VN; l++) {
             best = lanes[l] > best ? lanes[l] : best;
             has_nan |= nans[l] != 0;
         }

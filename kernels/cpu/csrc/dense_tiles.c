@@ -29,6 +29,7 @@
  * OpenMP team (libgomp resolves to the copy torch loaded, as in quant_linear.c). */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -130,6 +131,12 @@ typedef __m512 vec;
 #define FEW_TILES 2
 #define MANY_TILES 1
 #define BLOCK_ROWS 6
+/* More rows than a block, up to CHUNK_ROWS: k in chunks of K_CHUNK steps (4 KiB of a tile), each
+ * read from memory by the first block, which asks for it PREFETCH steps ahead, and found in L1
+ * by the others, which ask for the next chunk meanwhile (docs/perf-log.md, "Decode on AVX2").
+ * More rows crowd L1 with a chunk's x; AVX-512 builds, unmeasured, keep one chunk. */
+#define K_CHUNK 64
+#define CHUNK_ROWS 32
 typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
@@ -148,11 +155,14 @@ static inline void store_cols(void *y, const void *out, int64_t cols, size_t ele
     if (cols > 0) memcpy(y, out, (size_t)(cols < TR ? cols : TR) * elem);
 }
 
-/* MB x rows against the T tiles from column col0 (cols: the columns left from col0). Constant T
- * and MB after inlining: the accumulators live in registers. */
+/* MB x rows against the T tiles from column col0 (cols: the columns left from col0), over k
+ * steps [j0, j1) of K. The sums start at zero (j0 == 0) or at part's (MB x T*16 floats, the
+ * earlier steps' sums), and end in part (j1 < K) or, bias added, in y. Constant T and MB after
+ * inlining: the accumulators live in registers. */
 static inline __attribute__((always_inline)) void
-f32_block(const int T, const int MB, const float *w, int64_t k, const float *x, float *y,
-          int64_t ldy, const float *bias, int64_t col0, int64_t cols)
+f32_block(const int T, const int MB, const float *w, int64_t k, int64_t j0, int64_t j1,
+          const float *x, float *part, float *y, int64_t ldy, const float *bias, int64_t col0,
+          int64_t cols, int64_t ahead)
 {
     vec acc[4][VT][MAX_ROWS];
 #pragma GCC unroll 4
@@ -160,15 +170,16 @@ f32_block(const int T, const int MB, const float *w, int64_t k, const float *x, 
 #pragma GCC unroll 2
         for (int v = 0; v < VT; v++)
 #pragma GCC unroll 16
-            for (int m = 0; m < MB; m++) acc[t][v][m] = VZERO();
+            for (int m = 0; m < MB; m++)
+                acc[t][v][m] = j0 == 0 ? VZERO() : VLOAD(part + (m * T + t) * TR + v * VW);
     const int64_t tile = TR * k;
-    for (int64_t j = 0; j < k; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         vec wv[4][VT];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
 #pragma GCC unroll 2
             for (int v = 0; v < VT; v++) wv[t][v] = VLOAD(w + t * tile + j * TR + v * VW);
-            _mm_prefetch((const char *)(w + t * tile + (j + PREFETCH) * TR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + t * tile + (j + ahead) * TR), _MM_HINT_T0);
         }
 #pragma GCC unroll 16
         for (int m = 0; m < MB; m++) {
@@ -183,6 +194,12 @@ f32_block(const int T, const int MB, const float *w, int64_t k, const float *x, 
     for (int m = 0; m < MB; m++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
+            if (j1 < k) {
+#pragma GCC unroll 2
+                for (int v = 0; v < VT; v++)
+                    VSTORE(part + (m * T + t) * TR + v * VW, acc[t][v][m]);
+                continue;
+            }
             float out[TR];
 #pragma GCC unroll 2
             for (int v = 0; v < VT; v++) {
@@ -329,21 +346,31 @@ amx_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *ac
         else { switch (rows) { ROWS_BLOCK(K_, 1) default: break; } }                           \
     } while (0)
 
-/* The loops of a call: the parts' group ranges on the OpenMP team, runs of t tiles, blocks of
- * x rows; BLOCK(t, rows, g, m0) runs one. */
-#define DRIVE(groups, m, T, block, parts, BLOCK)                                               \
+/* The loops of a call: the parts' group ranges on the OpenMP team, runs of t tiles, steps of k
+ * in chunks of `chunk`, blocks of x rows; BLOCK(t, rows, g, m0, j0, j1, part) runs one, part
+ * the block's partial sums in the part's scratch (m x 4 x 16 floats; NULL where one chunk
+ * covers k). A chunk of a run is read from memory once, by the first block; the others find it
+ * in L1. */
+#define DRIVE(groups, m, k, T, block, chunk, parts, BLOCK)                                     \
     _Pragma("omp parallel for num_threads(parts) schedule(static) if (parts > 1)")            \
     for (int64_t p = 0; p < parts; p++) {                                                      \
         const int64_t g1 = groups * (p + 1) / parts;                                           \
+        float *scratch = chunk < k ? malloc((size_t)(m * 4 * TR) * sizeof(float)) : NULL;      \
+        const int64_t step = scratch ? chunk : k; /* no memory: one chunk, the same sums */    \
         for (int64_t g = groups * p / parts; g < g1;) {                                        \
             int t = T;                                                                         \
             while (t > g1 - g) t /= 2;                                                         \
-            for (int64_t m0 = 0; m0 < m; m0 += block) {                                        \
-                const int64_t rows = m - m0 < block ? m - m0 : block;                          \
-                BLOCK(t, rows, g, m0);                                                         \
+            for (int64_t j0 = 0; j0 < k; j0 += step) {                                         \
+                const int64_t j1 = k - j0 < step ? k : j0 + step;                              \
+                for (int64_t m0 = 0; m0 < m; m0 += block) {                                    \
+                    const int64_t rows = m - m0 < block ? m - m0 : block;                      \
+                    float *part = scratch ? scratch + m0 * 4 * TR : NULL;                      \
+                    BLOCK(t, rows, g, m0, j0, j1, part);                                       \
+                }                                                                              \
             }                                                                                  \
             g += t;                                                                            \
         }                                                                                      \
+        free(scratch);                                                                         \
     }
 
 /* y [m, n] = x [m, k] . W^T (+ bias) over the tiled fp32 w (x's rows contiguous; bias padded
@@ -355,10 +382,16 @@ int baton_dense_tiles_linear_f32(const float *x, int64_t m, int64_t n, int64_t k
     const int64_t groups = (n + TR - 1) / TR;
     const int T = m <= FEW_ROWS ? FEW_TILES : MANY_TILES;
     const int64_t block = m <= FEW_ROWS ? m : BLOCK_ROWS;
+#if defined(K_CHUNK)
+    const int64_t chunk = m > block && m <= CHUNK_ROWS ? K_CHUNK : k;
+#else
+    const int64_t chunk = k;
+#endif
 #define F32_RUN(T_, MB_)                                                                       \
-    f32_block(T_, MB_, w + g * TR * k, k, x + m0 * k, y + m0 * n, n, bias, g * TR, n - g * TR)
-#define F32_BLOCK(t, rows, g, m0) DISPATCH(F32_RUN, t, rows)
-    DRIVE(groups, m, T, block, parts, F32_BLOCK)
+    f32_block(T_, MB_, w + g * TR * k, k, j0, j1, x + m0 * k, part, y + m0 * n, n, bias,       \
+              g * TR, n - g * TR, m0 == 0 || chunk == k ? PREFETCH : chunk)
+#define F32_BLOCK(t, rows, g, m0, j0, j1, part) DISPATCH(F32_RUN, t, rows)
+    DRIVE(groups, m, k, T, block, chunk, parts, F32_BLOCK)
     return 0;
 #else
     (void)x; (void)m; (void)n; (void)k; (void)w; (void)bias; (void)y; (void)parts;
@@ -430,8 +463,12 @@ int baton_dense_tiles_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64
 #define BF16_RUN(T_, MB_)                                                                      \
     bf16_block(T_, MB_, w + g * TR * k, k, (const uint32_t *)(x + m0 * k), y + m0 * n, n, bias, \
                g * TR, n - g * TR)
-#define BF16_BLOCK(t, rows, g, m0) DISPATCH(BF16_RUN, t, rows)
-    DRIVE(groups, m, T, block, parts, BF16_BLOCK)
+#define BF16_BLOCK(t, rows, g, m0, j0, j1, part)                                              \
+    do {                                                                                       \
+        (void)j1, (void)part;                                                                  \
+        DISPATCH(BF16_RUN, t, rows);                                                           \
+    } while (0)
+    DRIVE(groups, m, k, T, block, k, parts, BF16_BLOCK) /* one chunk: the whole k */
     return 0;
 #else
     (void)x; (void)m; (void)n; (void)k; (void)w; (void)bias; (void)y; (void)parts;

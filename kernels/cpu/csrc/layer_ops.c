@@ -120,59 +120,60 @@ void baton_add_rms_norm_f32(float *h, const float *delta, int64_t rows, int64_t 
         add_norm_row(h + r * cols, delta + r * cols, cols, w, eps, out + r * cols, 0);
 }
 
-/* Sixteen fp32 lanes to bf16 at p, rounded as narrow() rounds. */
-static inline void narrow16(uint16_t *p, v16 f)
+/* VN fp32 lanes (vec16.h: the CPU's widest vector) to bf16 at p, rounded as narrow() rounds. */
+static inline void narrown(uint16_t *p, vn f)
 {
-    const v16u u = (v16u)f;
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
-    const v16u out = ((v16u)nan & ((u >> 16) | 0x40u)) | (~(v16u)nan & rounded);
-    const v16h h = __builtin_convertvector(out, v16h);
+    const vnu u = (vnu)f;
+    const vnu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vni nan = (vni)((u & 0x7fffffffu) > 0x7f800000u);
+    const vnu out = ((vnu)nan & ((u >> 16) | 0x40u)) | (~(vnu)nan & rounded);
+    const vnh h = __builtin_convertvector(out, vnh);
     memcpy(p, &h, sizeof h);
 }
 
-/* silu(g) * u over 16 lanes in GCC's vector types (vec16.h; the compiler does not vectorise the
- * scalar form). e^-g as Cephes' expf, to ~2 ulp of fp32 (exp16_clamped); libm's expf is a scalar
- * call, far slower here. The argument is clamped to [-87.3, 88] (e^x below is taken as 2^-126,
- * above as e^88: silu moves by under 1e-36, its bf16 value not at all). A NaN lane stays NaN;
+/* silu(g) * u over VN lanes in GCC's vector types (vec16.h; the compiler does not vectorise the
+ * scalar form; VN, not sixteen: on AVX2 GCC splits a 16-lane compare or conversion into scalar
+ * code). e^-g as Cephes' expf, to ~2 ulp of fp32 (expn_clamped); libm's expf is a scalar call,
+ * far slower here. The argument is clamped to [-87.3, 88] (e^x below is taken as 2^-126, above
+ * as e^88: silu moves by under 1e-36, its bf16 value not at all). A NaN lane stays NaN;
  * silu(+inf) * u is inf * u, silu(-inf) -inf * u. */
-static inline v16 silu_mul16(v16 g, v16 u)
+static inline vn silu_muln(vn g, vn u)
 {
-    v16 x = -g;
-    const v16 zero = {0}, lo = zero - 87.3f, hi = zero + 88.0f; /* NaN fails both tests */
-    v16i m = x < lo;
-    x = (v16)(((v16i)lo & m) | ((v16i)x & ~m));
+    vn x = -g;
+    const vn zero = {0}, lo = zero - 87.3f, hi = zero + 88.0f; /* NaN fails both tests */
+    vni m = x < lo;
+    x = (vn)(((vni)lo & m) | ((vni)x & ~m));
     m = x > hi;
-    x = (v16)(((v16i)hi & m) | ((v16i)x & ~m));
-    const v16 e = exp16_clamped(x);
+    x = (vn)(((vni)hi & m) | ((vni)x & ~m));
+    const vn e = expn_clamped(x);
     return g / (1.0f + e) * u;
 }
 
-/* f stored as sixteen elements at p (load16_as, vec16.h, reads them). */
-INLINE void store16_as(void *p, v16 f, int bf16)
+/* f stored as VN elements at p (loadn_as, vec16.h, reads them). */
+INLINE void storen_as(void *p, vn f, int bf16)
 {
     if (bf16)
-        narrow16(p, f);
+        narrown(p, f);
     else
         memcpy(p, &f, sizeof f);
 }
 
-/* out = silu(g) * u for one row of inter elements. A tail past the last 16 lanes goes through
+/* out = silu(g) * u for one row of inter elements. A tail past the last VN lanes goes through
  * a zero-padded vector. */
 INLINE void silu_mul_row(const void *g, const void *u, int64_t inter, void *o, int bf16)
 {
     const int64_t es = bf16 ? 2 : 4;
     int64_t c = 0;
-    for (; c + 16 <= inter; c += 16)
-        store16_as((char *)o + c * es,
-                   silu_mul16(load16_as((const char *)g + c * es, bf16),
-                              load16_as((const char *)u + c * es, bf16)),
-                   bf16);
+    for (; c + VN <= inter; c += VN)
+        storen_as((char *)o + c * es,
+                  silu_muln(loadn_as((const char *)g + c * es, bf16),
+                            loadn_as((const char *)u + c * es, bf16)),
+                  bf16);
     if (c < inter) {
-        float gt[16] = {0}, ut[16] = {0}, ot[16];
+        float gt[VN] = {0}, ut[VN] = {0}, ot[VN];
         memcpy(gt, (const char *)g + c * es, (size_t)(inter - c) * es);
         memcpy(ut, (const char *)u + c * es, (size_t)(inter - c) * es);
-        store16_as(ot, silu_mul16(load16_as(gt, bf16), load16_as(ut, bf16)), bf16);
+        storen_as(ot, silu_muln(loadn_as(gt, bf16), loadn_as(ut, bf16)), bf16);
         memcpy((char *)o + c * es, ot, (size_t)(inter - c) * es);
     }
 }

@@ -87,11 +87,11 @@ INLINE void scores_one(const float *restrict q, const void *restrict k_pool,
 
 #ifdef VEC16_SHUFFLES
 #define BATON_VECTOR_SCORES 1
-/* Scores sixteen tokens at a time for head sizes that are multiples of 16: each token's dot
- * product is first folded to a 16-lane vector of partial sums, then the sixteen vectors are
- * summed lane-wise in one transpose-and-add tree (sum16, vec16.h). MAX_WIDENED_ROW: the widest
- * KV row (KV heads x head size) a bf16 tile widens into fp32 scratch (16 rows: 64 KiB of stack at
- * most). */
+/* Scores VN tokens at a time (vec16.h: sixteen with AVX-512, eight on AVX2) for head sizes
+ * that are multiples of VN: each token's dot product is first folded to a vector of partial
+ * sums, then the VN vectors are summed lane-wise in one transpose-and-add tree (sumn).
+ * MAX_WIDENED_ROW: the widest KV row (KV heads x head size) a bf16 tile widens into fp32 scratch
+ * (64 KiB of stack at most). */
 #define MAX_WIDENED_ROW 1024
 
 INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
@@ -104,17 +104,17 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
     /* bf16: the tile's rows are widened once into fp32, not once per query head of a group
      * (Qwen2-0.5B: 7 query heads a KV head); very wide rows convert in place instead. */
     const int widen = bf16 && row <= MAX_WIDENED_ROW;
-    float tile[widen ? 16 * row : 1];
-    const void *krows[16];
-    for (int64_t t0 = start; t0 < len; t0 += 16) {
-        const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        for (int64_t j = 0; j < 16; j++) {  /* rows past the context repeat the first */
+    float tile[widen ? VN * row : 1];
+    const void *krows[VN];
+    for (int64_t t0 = start; t0 < len; t0 += VN) {
+        const int64_t n = len - t0 < VN ? len - t0 : VN;
+        for (int64_t j = 0; j < VN; j++) {  /* rows past the context repeat the first */
             const int64_t t = t0 + (j < n ? j : 0);
             krows[j] = kv_ptr(k_pool, (table[t / block_size] * block_size + t % block_size) * row,
                               bf16);
         }
-        if (t0 + 16 < len && block_size >= 16) { /* the next tile's rows: elsewhere in the pool */
-            const int64_t t = t0 + 16, last = len - 1 < t + 15 ? len - 1 : t + 15;
+        if (t0 + VN < len && block_size >= VN) { /* the next tile's rows: elsewhere in the pool */
+            const int64_t t = t0 + VN, last = len - 1 < t + VN - 1 ? len - 1 : t + VN - 1;
             const int64_t b = last / block_size;
             if (b != (t - 1) / block_size) /* its rows from b's start: one contiguous run */
                 prefetch_rows(kv_ptr(k_pool, table[b] * block_size * row, bf16),
@@ -122,26 +122,31 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
         }
         const int in_bf16 = bf16 && !widen; /* what krows point at from here on */
         if (widen)
-            for (int j = 0; j < 16; j++) {
-                for (int64_t c = 0; c < row; c += 16) {
-                    store16(tile + j * row + c, load16_as(kv_ptr(krows[j], c, 1), 1));
+            for (int j = 0; j < VN; j++) {
+                for (int64_t c = 0; c < row; c += VN) {
+                    storen(tile + j * row + c, loadn_as(kv_ptr(krows[j], c, 1), 1));
                 }
                 krows[j] = tile + j * row;
             }
         for (int64_t hq = 0; hq < num_heads; hq++) {
             const float *qh = q + hq * head_dim;
             const int64_t off = hq / group * head_dim;
-            v16 a[16];
-            for (int j = 0; j < 16; j++) {
-                v16 acc = load16(qh) * load16_as(kv_ptr(krows[j], off, in_bf16), in_bf16);
-                for (int64_t c = 16; c < head_dim; c += 16)
-                    acc += load16(qh + c) * load16_as(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
+            vn a[VN];
+            for (int j = 0; j < VN; j++) {
+                vn acc = loadn(qh) * loadn_as(kv_ptr(krows[j], off, in_bf16), in_bf16);
+                for (int64_t c = VN; c < head_dim; c += VN)
+                    acc += loadn(qh + c) * loadn_as(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
                 a[j] = acc;
             }
-            const v16 r = sum16(a) * scale;
-            float out[16];
-            memcpy(out, &r, sizeof out);
-            memcpy(scores + hq * stride + t0 - start, out, (size_t)n * sizeof *out);
+            const vn r = sumn(a) * scale;
+            float *to = scores + hq * stride + t0 - start;
+            if (n == VN) {
+                storen(to, r);
+            } else { /* the last tile's first n */
+                float out[VN];
+                storen(out, r);
+                memcpy(to, out, (size_t)n * sizeof *out);
+            }
         }
     }
 }
@@ -178,16 +183,18 @@ INLINE void values_one(const float *restrict probs, const void *restrict v_pool,
 }
 
 #ifdef BATON_VECTOR_SCORES
-/* Head sizes that are multiples of 16: each V row (bf16 widened once) is read once for a chunk
- * of its group's query heads, whose sums stay in VALUE_REGS vector registers (head size 64: four
- * heads at a time). values_one walks the tokens once per query head with its sums in memory:
- * per token and query head a load, an FMA and a store for every 16 lanes, and bf16 rows widened
- * once per query head. Each output is summed in the same order (over t, one FMA each), so the
- * results are values_one's. */
+/* Head sizes that are multiples of VN: each V row (bf16 widened once) is read once for a chunk
+ * of its group's query heads, whose sums stay in VALUE_REGS vector registers. values_one walks
+ * the tokens once per query head with its sums in memory: per token and query head a load, an
+ * FMA and a store for every vector, and bf16 rows widened once per query head. Where a head's
+ * sums fill the registers (AVX2's sixteen: a head of 64 is eight), a walk takes up to three
+ * heads of the group over a slice of the head's vectors instead, so a V row's slice comes from
+ * L2 once for them all, not once per head. Each output is summed in the same order (over t, one
+ * FMA each), so the results are values_one's. */
 #if defined(__AVX512F__)
 #define VALUE_REGS 16 /* of 32 512-bit registers */
 #else
-#define VALUE_REGS 4 /* a v16 is two of AVX2's 16 registers */
+#define VALUE_REGS 12 /* of AVX2's 16 */
 #endif
 
 INLINE void values_grouped(const float *restrict probs, const void *restrict v_pool,
@@ -196,40 +203,55 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
                            int64_t block_size, int64_t stride, float *restrict out, int bf16)
 {
     const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
-    const int64_t esize = bf16 ? 2 : 4, nc = head_dim / 16;
-    const int64_t chunk = VALUE_REGS / nc > 0 ? VALUE_REGS / nc : 1;
+    const int64_t esize = bf16 ? 2 : 4, nc = head_dim / VN;
+    /* heads a walk sums (gc), and vectors of each head (dc): gc * dc <= VALUE_REGS */
+    int64_t gc = VALUE_REGS / nc, dc = nc;
+    if (gc < 2) {
+        gc = 3;
+        dc = VALUE_REGS / gc;
+    }
+    if (gc > group) gc = group;
     for (int64_t h = 0; h < num_kv_heads; h++)
-        for (int64_t g0 = 0; g0 < group; g0 += chunk) {
-            const int64_t gn = group - g0 < chunk ? group - g0 : chunk;
-            v16 acc[VALUE_REGS] = {0};
-            const float *p = probs + (h * group + g0) * stride - start; /* p[g * stride + t] */
-            for (int64_t t0 = start; t0 < len;) {
-                const int64_t off = t0 % block_size, next = t0 - off + block_size;
-                const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
-                const int64_t vb = (table[t0 / block_size] * block_size + off) * row + h * head_dim;
-                if (h == 0 && g0 == 0 && next < len) /* the first walk fetches; the rest hit cache */
-                    prefetch_rows(kv_ptr(v_pool, table[next / block_size] * block_size * row, bf16),
-                                  (len - next < block_size ? len - next : block_size) * row * esize);
-                for (int64_t i = 0; i < n; i++) {
-                    v16 v[VALUE_REGS] = {0}; /* (only the first nc are read) */
+        for (int64_t g0 = 0; g0 < group; g0 += gc)
+            for (int64_t c0 = 0; c0 < nc; c0 += dc) {
+                const int64_t gn = group - g0 < gc ? group - g0 : gc;
+                const int64_t cn = nc - c0 < dc ? nc - c0 : dc;
+                vn acc[VALUE_REGS] = {0};
+                const float *p = probs + (h * group + g0) * stride - start; /* p[g * stride + t] */
+                for (int64_t t0 = start; t0 < len;) {
+                    const int64_t off = t0 % block_size, next = t0 - off + block_size;
+                    const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+                    const int64_t vb = (table[t0 / block_size] * block_size + off) * row +
+                                       h * head_dim + c0 * VN;
+                    if (h == 0 && g0 == 0 && c0 == 0 && next < len) /* the first walk fetches */
+                        prefetch_rows(
+                            kv_ptr(v_pool, table[next / block_size] * block_size * row, bf16),
+                            (len - next < block_size ? len - next : block_size) * row * esize);
+                    for (int64_t i = 0; i < n; i++) {
+                        vn v[VALUE_REGS] = {0}; /* (only the first cn are read) */
 #pragma GCC unroll 16
-                    for (int64_t c = 0; c < nc && c < VALUE_REGS; c++)
-                        v[c] = load16_as(kv_ptr(v_pool, vb + i * row + c * 16, bf16), bf16);
+                        for (int64_t c = 0; c < dc && c < VALUE_REGS; c++) {
+                            if (c >= cn) break;
+                            v[c] = loadn_as(kv_ptr(v_pool, vb + i * row + c * VN, bf16), bf16);
+                        }
 #pragma GCC unroll 16
-                    for (int64_t g = 0; g < chunk; g++) {
-                        if (g >= gn) break;
-                        const float w = p[g * stride + t0 + i];
+                        for (int64_t g = 0; g < gc; g++) {
+                            if (g >= gn) break;
+                            const float w = p[g * stride + t0 + i];
 #pragma GCC unroll 16
-                        for (int64_t c = 0; c < nc && c < VALUE_REGS; c++)
-                            acc[g * nc + c] += w * v[c];
+                            for (int64_t c = 0; c < dc && c < VALUE_REGS; c++) {
+                                if (c >= cn) break;
+                                acc[g * dc + c] += w * v[c];
+                            }
+                        }
                     }
+                    t0 += n;
                 }
-                t0 += n;
+                for (int64_t g = 0; g < gn; g++)
+                    for (int64_t c = 0; c < cn; c++)
+                        storen(out + (h * group + g0 + g) * head_dim + (c0 + c) * VN,
+                               acc[g * dc + c]);
             }
-            for (int64_t g = 0; g < gn; g++)
-                for (int64_t c = 0; c < nc; c++)
-                    store16(out + (h * group + g0 + g) * head_dim + c * 16, acc[g * nc + c]);
-        }
 }
 #endif
 
@@ -243,7 +265,7 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
 
 #ifdef BATON_VECTOR_SCORES
 #define SCORES(qb, table, start, len, sb, D)                                                 \
-    ((D) % 16 == 0 ? scores_one_vec(qb, k_pool, table, start, len, num_heads, group, D,      \
+    ((D) % VN == 0 ? scores_one_vec(qb, k_pool, table, start, len, num_heads, group, D,      \
                                     block_size, scale, sb, stride, bf16)                     \
                    : scores_one(qb, k_pool, table, start, len, num_heads, group, D,          \
                                 block_size, scale, sb, stride, bf16))
@@ -254,7 +276,7 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
 #endif
 #ifdef BATON_VECTOR_SCORES
 #define VALUES(pb, table, start, len, ob, D)                                                 \
-    ((D) % 16 == 0 && (D) <= 16 * VALUE_REGS                                                 \
+    ((D) % VN == 0                                                 \
          ? values_grouped(pb, v_pool, table, start, len, num_heads, group, D, block_size,    \
                           stride, ob, bf16)                                                  \
          : values_one(pb, v_pool, table, start, len, num_heads, group, D, block_size,        \
@@ -268,27 +290,27 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
  * ~1 ulp; this one Cephes' polynomial, ~2 ulp, vectorised where GCC's vector types are). A NaN
  * score makes the row NaN. */
 #ifdef BATON_VECTOR_SCORES
-/* e^x, x <= 0 (or NaN) over 16 lanes: x clamped to -87.3 (e^x below it is 2^-126 or less, not a
- * weight a sum of at least 1 notices). */
-static inline v16 exp16(v16 x)
+/* e^x, x <= 0 (or NaN) over VN lanes: x clamped to -87.3 (e^x below it is 2^-126 or less, not
+ * a weight a sum of at least 1 notices). */
+static inline vn expn(vn x)
 {
-    const v16 zero = {0}, lo = zero - 87.3f;
-    const v16i below = x < lo; /* NaN: false, kept */
-    return exp16_clamped((v16)(((v16i)lo & below) | ((v16i)x & ~below)));
+    const vn zero = {0}, lo = zero - 87.3f;
+    const vni below = x < lo; /* NaN: false, kept */
+    return expn_clamped((vn)(((vni)lo & below) | ((vni)x & ~below)));
 }
 
 static void softmax(float *s, int64_t n)
 {
-    const v16 ninf = {0}; /* lanes past n stay -inf */
-    v16 vmax = ninf - INFINITY, vnan = ninf;
+    const vn ninf = {0}; /* lanes past n stay -inf */
+    vn vmax = ninf - INFINITY, vnan = ninf;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v16 v = load16(s + i);
-        vmax = (v16)(((v16i)v & (v16i)(v > vmax)) | ((v16i)vmax & ~(v16i)(v > vmax)));
-        vnan = (v16)((v16i)vnan | ((v16i)v & (v16i)(v != v))); /* a NaN's bits, or 0 */
+    for (; i + VN <= n; i += VN) {
+        const vn v = loadn(s + i);
+        vmax = (vn)(((vni)v & (vni)(v > vmax)) | ((vni)vmax & ~(vni)(v > vmax)));
+        vnan = (vn)((vni)vnan | ((vni)v & (vni)(v != v))); /* a NaN's bits, or 0 */
     }
     float mx = -INFINITY, nan = 0.f;
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < VN; j++) {
         mx = vmax[j] > mx ? vmax[j] : mx;
         nan = vnan[j] != 0.f ? vnan[j] : nan;
     }
@@ -297,24 +319,24 @@ static void softmax(float *s, int64_t n)
         nan = s[i] != s[i] ? s[i] : nan;
     }
     if (nan != nan) mx = nan; /* a NaN score makes every exp, so the row, NaN */
-    v16 acc = {0};
+    vn acc = {0};
     i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v16 e = exp16(load16(s + i) - mx);
-        memcpy(s + i, &e, sizeof e);
+    for (; i + VN <= n; i += VN) {
+        const vn e = expn(loadn(s + i) - mx);
+        storen(s + i, e);
         acc += e;
     }
     if (i < n) { /* the tail through a padded vector, its padding left out of the sum */
-        float t[16] = {0};
+        float t[VN] = {0};
         memcpy(t, s + i, (size_t)(n - i) * sizeof *s);
-        const v16 e = exp16(load16(t) - mx);
-        memcpy(t, &e, sizeof e);
-        for (int64_t j = n - i; j < 16; j++) t[j] = 0.f;
+        const vn e = expn(loadn(t) - mx);
+        storen(t, e);
+        for (int64_t j = n - i; j < VN; j++) t[j] = 0.f;
         memcpy(s + i, t, (size_t)(n - i) * sizeof *s);
-        acc += load16(t);
+        acc += loadn(t);
     }
     float sum = 0.f;
-    for (int j = 0; j < 16; j++) sum += acc[j];
+    for (int j = 0; j < VN; j++) sum += acc[j];
     const float inv = 1.0f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < n; j++) s[j] *= inv;

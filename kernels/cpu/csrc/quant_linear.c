@@ -336,41 +336,7 @@ INLINE void tile(const int64_t qtype, const int mr, const uint8_t *w, int64_t ro
 
 static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
 {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * QK;
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        const __m256 mx = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
-                                          _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
-        const float d = _mm256_movemask_ps(unord) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
-        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        __m256i i[4];
-        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
-                                           _mm256_add_epi32(i[2], i[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-        const int32_t sx = _mm_cvtsi128_si32(s4);
-        /* packs interleave the 128-bit lanes; the permute puts the bytes back in order */
-        const __m256i i01 = _mm256_packs_epi32(i[0], i[1]), i23 = _mm256_packs_epi32(i[2], i[3]);
-        __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
-                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (X_UNSIGNED && qtype == QT_Q8_0) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
-        _mm256_storeu_si256((__m256i *)out[b].q, q);
-        out[b].dx = d;
-        if (qtype == QT_Q4_1)
-            out[b].aux.f = d * (float)sx * 0.25f;
-        else
-            out[b].aux.i = -2 * sx;
-    }
+    quant_row_avx2(x, nb, qtype, X_UNSIGNED && qtype == QT_Q8_0, 0.25f, -2, out);
 }
 
 /* Sum of the four byte products a_j * b_j (a unsigned, b signed) in each 32-bit lane, + acc.

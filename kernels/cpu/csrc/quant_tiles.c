@@ -154,6 +154,7 @@ int baton_quant_tiles_dequantize(const uint8_t *w, int64_t qtype, int64_t k, con
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE_PATH "avx512-vnni"
 #define TILE_ROWS TR
+#define TILE_TYPES ((1 << QT_Q4_0) | (1 << QT_Q4_1) | (1 << QT_Q8_0))
 #define MR 16 /* x rows a pass over a group's tiles: a decode batch of 16 reads each tile once */
 
 /* An x block's aux (xblock, ggml_blocks.h): the offset term, -8 sx or -128 sx (int32), as the
@@ -219,6 +220,79 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
         _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_add_ps(acc[m], bv));
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TILE_PATH "avx2"
+#define TILE_ROWS TR
+/* Q8_0 keeps the row layout here: vpmaddubsw's 16-bit pairs of (q + 128) * x overflow, and the
+ * sign trick quant_linear.c uses needs the weights signed, twice the registers of a tile. */
+#define TILE_TYPES ((1 << QT_Q4_0) | (1 << QT_Q4_1))
+#define MR 16
+
+static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
+{
+    quant_row_avx2(x, nb, qtype, 0, 1.0f, -8, out);
+}
+
+/* group_rows of the AVX-512 build in AVX2, bit for bit: a tile's sixteen rows as two halves of
+ * eight (lane r of a 256-bit vector: row 8h + r), and each vpdpbusd as a vpmaddubsw into 16-bit
+ * pairs, the block's eight added in 16 bits (each pair at most 2 * 15 * 127, eight of them
+ * 30,480: no saturation), then one vpmaddwd to 32 bits: the same exact integer dot, then the
+ * same float steps. */
+INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int64_t nb,
+                       const xblock *xp, int nvalid, float *y, int64_t ldy, const float *bias,
+                       const uint8_t *next)
+{
+    const int64_t tile = TR * block_bytes(qtype), sb = scale_bytes(qtype);
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR][2];
+    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *t = g + b * tile;
+        if (next)
+            for (int64_t line = 0; line < tile; line += 64)
+                _mm_prefetch((const char *)(next + b * tile + line), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
+            const __m256 mv =
+                qtype == QT_Q4_1
+                    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 2 * TR + 16 * h)))
+                    : _mm256_setzero_ps();
+            __m256i wv[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(t + sb + 64 * c + 32 * h));
+                wv[c] = _mm256_and_si256(v, low);
+                wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int m = 0; m < mr; m++) {
+                const xblock *x = xp + m * nb + b;
+                __m256i pairs = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x->q4[0]));
+                for (int c = 1; c < 8; c++)
+                    pairs = _mm256_add_epi16(
+                        pairs, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(x->q4[c])));
+                __m256i dot = _mm256_madd_epi16(pairs, ones);
+                if (qtype == QT_Q4_0) dot = _mm256_add_epi32(_mm256_set1_epi32(x->aux.i), dot);
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->dx));
+                acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m][h]);
+                if (qtype == QT_Q4_1)
+                    acc[m][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x->aux.f), acc[m][h]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        float out[TR];
+        for (int h = 0; h < 2; h++) {
+            const __m256 bv = bias && nvalid == TR ? _mm256_loadu_ps(bias + 8 * h)
+                                                   : _mm256_setzero_ps();
+            _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(acc[m][h], bv));
+        }
+        if (bias && nvalid < TR) /* the last group: its bias is nvalid long */
+            for (int r = 0; r < nvalid; r++) out[r] = acc[m][r / 8][r % 8] + bias[r];
+        memcpy(y + m * ldy, out, (size_t)nvalid * sizeof *out);
+    }
+}
+#endif
+
+#ifdef TILE_PATH
 /* Each weight type compiled on its own; the x rows a run-time loop: sixteen rows' accumulators
  * do not fit the registers beside the weights, and in L1 they cost nothing (each is read and
  * written once a block). */
@@ -230,7 +304,11 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
     }
 GROUP_FN(group_q4_0, QT_Q4_0)
 GROUP_FN(group_q4_1, QT_Q4_1)
+#if TILE_TYPES & (1 << QT_Q8_0)
 GROUP_FN(group_q8_0, QT_Q8_0)
+#else
+#define group_q8_0 NULL
+#endif
 typedef void (*group_fn)(const uint8_t *, int64_t, const xblock *, int, int, float *, int64_t,
                          const float *, const uint8_t *);
 
@@ -242,7 +320,7 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
                              int64_t parts)
 {
     const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
-    if (nb == 0) return -1;
+    if (nb == 0 || !(TILE_TYPES & (1 << qtype))) return -1;
     if (m == 0 || n == 0) return 0;
     const group_fn fn = qtype == QT_Q4_0 ? group_q4_0 : qtype == QT_Q4_1 ? group_q4_1 : group_q8_0;
     xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));
@@ -271,6 +349,7 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
 #else
 #define TILE_PATH "none"
 #define TILE_ROWS 0
+#define TILE_TYPES 0
 
 int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
@@ -284,5 +363,8 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
 
 /* Rows a tile holds where this build has the kernel; 0: weights keep their row layout. */
 int64_t baton_quant_tile_rows(void) { return TILE_ROWS; }
+
+/* The weight types the kernel takes, as bits 1 << type; the others keep their row layout. */
+int64_t baton_quant_tile_types(void) { return TILE_TYPES; }
 
 const char *baton_quant_tiles_path(void) { return TILE_PATH; }

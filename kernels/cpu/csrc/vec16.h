@@ -43,24 +43,27 @@ static inline __attribute__((always_inline)) v16 load16_as(const void *p, int bf
     return widen16(p);
 }
 
-/* e^x over 16 lanes for x the caller clamped to [-87.3, 88] (NaN passes): x = n ln2 + r, a
- * degree-6 polynomial in r (Cephes' expf, ~2 ulp), times 2^n built in the exponent bits. */
-static inline v16 exp16_clamped(v16 x)
-{
-    const v16 t = x * 1.44269504088896341f + 0.5f;
-    v16i ni = __builtin_convertvector(t, v16i); /* truncates: one more than floor where t < 0 */
-    ni += (v16i)(__builtin_convertvector(ni, v16) > t); /* a true lane is -1: floor(t) */
-    const v16 n = __builtin_convertvector(ni, v16);
-    v16 r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v16)((v16u)(ni + 127) << 23);
-}
+/* e^x over a vector's lanes for x the caller clamped to [-87.3, 88] (NaN passes): x = n ln2 + r,
+ * a degree-6 polynomial in r (Cephes' expf, ~2 ulp), times 2^n built in the exponent bits. One
+ * definition for each vector type (f: float lanes, i / u: int32 / uint32 lanes of its width). */
+#define DEFINE_EXP_CLAMPED(name, f, i, u)                                                    \
+    static inline f name(f x)                                                                \
+    {                                                                                        \
+        const f t = x * 1.44269504088896341f + 0.5f;                                         \
+        i ni = __builtin_convertvector(t, i); /* truncates: one more than floor where t < 0 */ \
+        ni += (i)(__builtin_convertvector(ni, f) > t); /* a true lane is -1: floor(t) */     \
+        const f n = __builtin_convertvector(ni, f);                                          \
+        f r = x - n * 0.693359375f;                                                          \
+        r = r - n * -2.12194440e-4f;                                                         \
+        f p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                       \
+        p = p * r + 8.3334519073e-3f;                                                        \
+        p = p * r + 4.1665795894e-2f;                                                        \
+        p = p * r + 1.6666665459e-1f;                                                        \
+        p = p * r + 5.0000001201e-1f;                                                        \
+        p = p * r * r + r + 1.0f;                                                            \
+        return p * (f)((u)(ni + 127) << 23);                                                 \
+    }
+DEFINE_EXP_CLAMPED(exp16_clamped, v16, v16i, v16u)
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 /* __builtin_shufflevector: GCC 12 on. */
@@ -86,6 +89,63 @@ static inline v16 sum16(v16 a[16])
                     31);
     return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#endif
+
+/* The widest vector the CPU holds in one register: sixteen lanes with AVX-512, eight on AVX2.
+ * Loops that keep many vectors live (a tile of a token per vector, sums across a group) are
+ * written in it: a v16 on AVX2 is a pair of registers, and a tile of sixteen of them spilled
+ * to the stack, most of the attention kernel's time on a Zen 3 (docs/perf-log.md, "Decode
+ * attention on AVX2"). */
+#if defined(__AVX512F__)
+#define VN 16
+#else
+#define VN 8
+#endif
+typedef float vn __attribute__((vector_size(VN * 4)));
+typedef int32_t vni __attribute__((vector_size(VN * 4)));
+typedef uint32_t vnu __attribute__((vector_size(VN * 4)));
+typedef uint16_t vnh __attribute__((vector_size(VN * 2)));
+
+static inline vn loadn(const float *p)
+{
+    vn v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+DEFINE_EXP_CLAMPED(expn_clamped, vn, vni, vnu)
+
+/* VN fp32 (bf16 = 0) or bf16 (bf16 = 1) elements from p, as fp32 (a bf16 widens exactly). */
+static inline __attribute__((always_inline)) vn loadn_as(const void *p, int bf16)
+{
+    if (!bf16) return loadn(p);
+    vnh h;
+    memcpy(&h, p, sizeof h);
+    const vnu w = __builtin_convertvector(h, vnu) << 16;
+    vn v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+#ifdef VEC16_SHUFFLES
+/* r[j] = sum of the lanes of a[j], j < VN: sum16, or its three levels for eight lanes. */
+static inline vn sumn(vn a[VN])
+{
+#if VN == 16
+    return sum16(a);
+#else
+    vn c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + SHUF(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 #endif
 
