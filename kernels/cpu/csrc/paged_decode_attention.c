@@ -132,11 +132,15 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
             const float *qh = q + hq * head_dim;
             const int64_t off = hq / group * head_dim;
             vn a[VN];
-            for (int j = 0; j < VN; j++) {
-                vn acc = loadn(qh) * loadn_as(kv_ptr(krows[j], off, in_bf16), in_bf16);
-                for (int64_t c = VN; c < head_dim; c += VN)
-                    acc += loadn(qh + c) * loadn_as(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
-                a[j] = acc;
+            /* chunk-outer: one load of q's chunk for the VN tokens (token-outer loaded it again
+             * for each), each token's sum in the same order */
+            const vn q0 = loadn(qh);
+            for (int j = 0; j < VN; j++)
+                a[j] = q0 * loadn_as(kv_ptr(krows[j], off, in_bf16), in_bf16);
+            for (int64_t c = VN; c < head_dim; c += VN) {
+                const vn qc = loadn(qh + c);
+                for (int j = 0; j < VN; j++)
+                    a[j] += qc * loadn_as(kv_ptr(krows[j], off + c, in_bf16), in_bf16);
             }
             const vn r = sumn(a) * scale;
             float *to = scores + hq * stride + t0 - start;
@@ -240,7 +244,8 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
                             const float w = p[g * stride + t0 + i];
 #pragma GCC unroll 16
                             for (int64_t c = 0; c < dc && c < VALUE_REGS; c++) {
-                                if (c >= cn) break;
+                                if (c >= cn || g * dc + c >= VALUE_REGS) break; /* (the latter:
+                                    never, gc * dc fits; for the compiler's bounds check) */
                                 acc[g * dc + c] += w * v[c];
                             }
                         }

@@ -57,31 +57,28 @@ static inline const float *rowf(const struct args *a, const int64_t *table, int6
 
 #ifdef VEC16_SHUFFLES
 #define BATON_VECTOR_SCORES 1
-/* Sixteen tokens at a time for head sizes that are multiples of 16, as paged_decode_attention.c
- * does: each token's dot folded to a 16-lane vector, then one transpose-and-add tree for all
- * sixteen sums (a horizontal reduction per token and head would be most of this pass, and made
- * it several times slower than the fp32 kernel's). */
-typedef int8_t v16i8 __attribute__((vector_size(16)));
+/* VN tokens at a time (vec16.h: sixteen with AVX-512, eight on AVX2) for head sizes that are
+ * multiples of VN, as paged_decode_attention.c does: each token's dot folded to a vector, then
+ * one transpose-and-add tree for all VN sums (a horizontal reduction per token and head would be
+ * most of this pass, and made it several times slower than the fp32 kernel's). */
 
-/* Sixteen int8 values as floats. GCC 12 widens an int8 vector type lane by lane (scalar
- * sign extensions and inserts: the pass ran at ~50 cycles a dot), so the x86 widening
- * instructions are named where the target has them. */
-static inline v16 load16i8(const int8_t *p)
+/* VN int8 values as floats. GCC 12 widens an int8 vector type lane by lane (scalar sign
+ * extensions and inserts: the pass ran at ~50 cycles a dot), so the x86 widening instructions
+ * are named where the target has them. */
+static inline vn loadn_i8(const int8_t *p)
 {
-    v16 out;
-#if defined(__AVX512F__)
+    vn out;
+#if VN == 16 && defined(__AVX512F__)
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
     memcpy(&out, &f, sizeof out);
-#elif defined(__AVX2__)
-    const __m128i raw = _mm_loadu_si128((const void *)p);
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-    memcpy(&out, &lo, sizeof lo);
-    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+#elif VN == 8 && defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p)));
+    memcpy(&out, &f, sizeof out);
 #else
-    v16i8 v;
+    typedef int8_t vni8 __attribute__((vector_size(VN)));
+    vni8 v;
     memcpy(&v, p, sizeof v);
-    out = __builtin_convertvector(__builtin_convertvector(v, v16i), v16);
+    out = __builtin_convertvector(__builtin_convertvector(v, vni), vn);
 #endif
     return out;
 }
@@ -93,11 +90,11 @@ scores_vec(const struct args *a, const float *q, const int64_t *table, int64_t t
            const int int8, float *sb, int64_t col0, const int64_t D)
 {
     const int64_t H = a->num_heads, group = H / a->num_kv_heads, W = D + 4;
-    const void *rows[16];
-    float scales[16];
-    for (int64_t t = t0; t < t1; t += 16) {
-        const int64_t n = t1 - t < 16 ? t1 - t : 16;
-        for (int64_t j = 0; j < 16; j++) { /* rows past the range repeat the first */
+    const void *rows[VN];
+    float scales[VN];
+    for (int64_t t = t0; t < t1; t += VN) {
+        const int64_t n = t1 - t < VN ? t1 - t : VN;
+        for (int64_t j = 0; j < VN; j++) { /* rows past the range repeat the first */
             const int64_t tj = t + (j < n ? j : 0);
             if (int8) {
                 const int8_t *r = row8(a, table, tj);
@@ -112,22 +109,22 @@ scores_vec(const struct args *a, const float *q, const int64_t *table, int64_t t
         for (int64_t hq = 0; hq < H; hq++) {
             const float *qh = q + hq * D;
             const int64_t kh = hq / group;
-            v16 acc[16];
-            for (int j = 0; j < 16; j++) {
-                v16 x = (v16){0};
+            vn acc[VN];
+            for (int j = 0; j < VN; j++) {
+                vn x = (vn){0};
                 if (int8) {
                     const int8_t *k = (const int8_t *)rows[j] + kh * W;
-                    for (int64_t c = 0; c < D; c += 16) x += load16(qh + c) * load16i8(k + c);
+                    for (int64_t c = 0; c < D; c += VN) x += loadn(qh + c) * loadn_i8(k + c);
                     memcpy(&scales[j], k + D, sizeof(float));
                 } else {
                     const float *k = (const float *)rows[j] + kh * D;
-                    for (int64_t c = 0; c < D; c += 16) x += load16(qh + c) * load16(k + c);
+                    for (int64_t c = 0; c < D; c += VN) x += loadn(qh + c) * loadn(k + c);
                 }
                 acc[j] = x;
             }
-            const v16 r = sum16(acc) * load16(scales) * a->scale;
-            float out[16];
-            memcpy(out, &r, sizeof out);
+            const vn r = sumn(acc) * loadn(scales) * a->scale;
+            float out[VN];
+            storen(out, r);
             memcpy(sb + hq * a->stride + col0 + (t - t0), out, (size_t)n * sizeof *out);
         }
     }
@@ -144,7 +141,7 @@ static void scores_rows(const struct args *a, int64_t b0, int64_t b1)
         const int64_t *table = a->tables + b * a->max_blocks;
         const int64_t *fp_table = a->fp_tables + b * a->max_fp_blocks;
 #ifdef BATON_VECTOR_SCORES
-        if (D % 16 == 0) {
+        if (D % VN == 0) {
             switch (D) { /* each head size its own unrolled loops */
             case 32:
                 scores_vec(a, q, table, bd[0], bd[1], 1, sb, 0, 32);
@@ -206,19 +203,19 @@ static inline __attribute__((always_inline)) void values_d(const struct args *a,
         for (int64_t hq = 0; hq < H; hq++) {
             const float *p = a->in + (b * H + hq) * a->stride;
 #ifdef BATON_VECTOR_SCORES
-            if (D % 16 == 0 && D <= 256) { /* widened sixteen lanes at a time, as the scores */
-                v16 va[16];
-                for (int64_t x = 0; x < D / 16; x++) va[x] = (v16){0};
+            if (D % VN == 0 && D <= 16 * VN) { /* widened VN lanes at a time, as the scores */
+                vn va[16];
+                for (int64_t x = 0; x < D / VN; x++) va[x] = (vn){0};
                 for (int64_t t = bd[0]; t < bd[1]; t++) {
                     const int8_t *v = row8(a, table, t) + hq / group * W;
                     float s;
                     memcpy(&s, v + D, sizeof s);
                     const float w = p[t - bd[0]] * s;
-                    for (int64_t x = 0; x < D / 16; x++) va[x] += w * load16i8(v + 16 * x);
+                    for (int64_t x = 0; x < D / VN; x++) va[x] += w * loadn_i8(v + VN * x);
                 }
                 for (int64_t t = bd[2]; t < bd[3]; t++) {
                     const float *v = rowf(a, fp_table, t) + hq / group * D, w = p[n8 + t - bd[2]];
-                    for (int64_t x = 0; x < D / 16; x++) va[x] += w * load16(v + 16 * x);
+                    for (int64_t x = 0; x < D / VN; x++) va[x] += w * loadn(v + VN * x);
                 }
                 memcpy(a->out + (b * H + hq) * D, va, (size_t)D * sizeof(float));
                 continue;
