@@ -113,7 +113,10 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
     runner = ModelRunner(config, role="decode")  # the forms the decode service keeps
     model_dir = resolve_model(args.model)
     shape = roofline.Shape.of(json.loads((model_dir / "config.json").read_text()))
-    label = f"{dtype} {weight_format}"
+    # What the engine computes in: a bf16 request on a CPU without bf16 runs in fp32
+    # (loader.resolve_dtype), and its floor is fp32's.
+    computed = str(runner.dtype).removeprefix("torch.")
+    label = f"{dtype} {weight_format}" + (f" (computed in {computed})" if computed != dtype else "")
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -165,10 +168,10 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
         decodes.append(statistics.median(steps[len(steps) // 2 :]))
     prefill_ms, decode_ms = min(prefills) * 1e3, min(decodes) * 1e3
     bw = bandwidth_gbs()
-    peak = roofline.probe_gemm(dtype, 2048, shape.hidden, shape.intermediate)
+    peak = roofline.probe_gemm(computed, 2048, shape.hidden, shape.intermediate)
     # The median step is one of the last half, at a context of about (prompt + 3 x context) / 4.
     step = roofline.decode_floor(
-        shape, dtype, args.batch, (args.prompt + 3 * args.context) / 4, bw, peak,
+        shape, computed, args.batch, (args.prompt + 3 * args.context) / 4, bw, peak,
         weight_bytes=runner.model.weight_bytes(),
     )  # fmt: skip
     prefill_floor = roofline.prefill_flops(shape, [args.prompt] * args.batch)["total"] / peak / 1e6

@@ -357,15 +357,17 @@ amx_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *ac
         const int64_t g1 = groups * (p + 1) / parts;                                           \
         float *scratch = chunk < k ? malloc((size_t)(m * 4 * TR) * sizeof(float)) : NULL;      \
         const int64_t step = scratch ? chunk : k; /* no memory: one chunk, the same sums */    \
+        const int64_t nblocks = (m + block - 1) / block; /* of rows as even as they split */   \
         for (int64_t g = groups * p / parts; g < g1;) {                                        \
             int t = T;                                                                         \
             while (t > g1 - g) t /= 2;                                                         \
             for (int64_t j0 = 0; j0 < k; j0 += step) {                                         \
                 const int64_t j1 = k - j0 < step ? k : j0 + step;                              \
-                for (int64_t m0 = 0; m0 < m; m0 += block) {                                    \
-                    const int64_t rows = m - m0 < block ? m - m0 : block;                      \
+                for (int64_t i = 0, m0 = 0; i < nblocks; i++) {                                \
+                    const int64_t rows = m * (i + 1) / nblocks - m0;                           \
                     float *part = scratch ? scratch + m0 * 4 * TR : NULL;                      \
                     BLOCK(t, rows, g, m0, j0, j1, part);                                       \
+                    m0 += rows;                                                                \
                 }                                                                              \
             }                                                                                  \
             g += t;                                                                            \

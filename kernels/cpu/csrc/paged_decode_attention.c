@@ -201,13 +201,61 @@ INLINE void values_one(const float *restrict probs, const void *restrict v_pool,
 #define VALUE_REGS 12 /* of AVX2's 16 */
 #endif
 
+/* One walk over a row's tokens: GN query heads' sums (acc[g * CN + c]) over CN vectors of the
+ * head, from column `col` of the KV row; constants where inlined (values_grouped's switch), so
+ * the sums stay in registers and no test is left in the loop. An fp32 V vector is read once per
+ * head (from L1, the FMA's memory operand): one register a vector held for the group ran out of
+ * AVX2's sixteen and put a sum on the stack. `fetch`: ask for each next block of V. */
+INLINE void values_walk(const int GN, const int64_t CN, const float *restrict p, int64_t stride,
+                        const void *restrict v_pool, const int64_t *restrict table,
+                        int64_t start, int64_t len, int64_t block_size, int64_t row, int64_t col,
+                        int fetch, vn *restrict acc, int bf16)
+{
+    const int64_t esize = bf16 ? 2 : 4;
+    for (int64_t t0 = start; t0 < len;) {
+        const int64_t off = t0 % block_size, following = t0 - off + block_size;
+        const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
+        const int64_t vb = (table[t0 / block_size] * block_size + off) * row + col;
+        if (fetch && following < len)
+            prefetch_rows(kv_ptr(v_pool, table[following / block_size] * block_size * row, bf16),
+                          (len - following < block_size ? len - following : block_size) * row *
+                              esize);
+        for (int64_t i = 0; i < n; i++) {
+            const void *vr = kv_ptr(v_pool, vb + i * row, bf16);
+            if (bf16) { /* widened once for the group */
+                vn v[VALUE_REGS] = {0}; /* (only the first CN are read) */
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < CN && c < VALUE_REGS; c++)
+                    v[c] = loadn_as(kv_ptr(vr, c * VN, 1), 1);
+#pragma GCC unroll 4
+                for (int g = 0; g < GN; g++) {
+                    const float w = p[g * stride + t0 + i];
+#pragma GCC unroll 16
+                    for (int64_t c = 0; c < CN && c < VALUE_REGS; c++)
+                        if (g * CN + c < VALUE_REGS) acc[g * CN + c] += w * v[c];
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int g = 0; g < GN; g++) {
+                    const float w = p[g * stride + t0 + i];
+#pragma GCC unroll 16
+                    for (int64_t c = 0; c < CN; c++)
+                        if (g * CN + c < VALUE_REGS)
+                            acc[g * CN + c] += w * loadn((const float *)vr + c * VN);
+                }
+            }
+        }
+        t0 += n;
+    }
+}
+
 INLINE void values_grouped(const float *restrict probs, const void *restrict v_pool,
                            const int64_t *restrict table, int64_t start, int64_t len,
                            int64_t num_heads, int64_t group, int64_t head_dim,
                            int64_t block_size, int64_t stride, float *restrict out, int bf16)
 {
     const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
-    const int64_t esize = bf16 ? 2 : 4, nc = head_dim / VN;
+    const int64_t nc = head_dim / VN;
     /* heads a walk sums (gc), and vectors of each head (dc): gc * dc <= VALUE_REGS */
     int64_t gc = VALUE_REGS / nc, dc = nc;
     if (gc < 2) {
@@ -222,40 +270,26 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
                 const int64_t cn = nc - c0 < dc ? nc - c0 : dc;
                 vn acc[VALUE_REGS] = {0};
                 const float *p = probs + (h * group + g0) * stride - start; /* p[g * stride + t] */
-                for (int64_t t0 = start; t0 < len;) {
-                    const int64_t off = t0 % block_size, next = t0 - off + block_size;
-                    const int64_t n = len - t0 < block_size - off ? len - t0 : block_size - off;
-                    const int64_t vb = (table[t0 / block_size] * block_size + off) * row +
-                                       h * head_dim + c0 * VN;
-                    if (h == 0 && g0 == 0 && c0 == 0 && next < len) /* the first walk fetches */
-                        prefetch_rows(
-                            kv_ptr(v_pool, table[next / block_size] * block_size * row, bf16),
-                            (len - next < block_size ? len - next : block_size) * row * esize);
-                    for (int64_t i = 0; i < n; i++) {
-                        vn v[VALUE_REGS] = {0}; /* (only the first cn are read) */
-#pragma GCC unroll 16
-                        for (int64_t c = 0; c < dc && c < VALUE_REGS; c++) {
-                            if (c >= cn) break;
-                            v[c] = loadn_as(kv_ptr(v_pool, vb + i * row + c * VN, bf16), bf16);
-                        }
-#pragma GCC unroll 16
-                        for (int64_t g = 0; g < gc; g++) {
-                            if (g >= gn) break;
-                            const float w = p[g * stride + t0 + i];
-#pragma GCC unroll 16
-                            for (int64_t c = 0; c < dc && c < VALUE_REGS; c++) {
-                                if (c >= cn || g * dc + c >= VALUE_REGS) break; /* (the latter:
-                                    never, gc * dc fits; for the compiler's bounds check) */
-                                acc[g * dc + c] += w * v[c];
-                            }
-                        }
+                const int fetch = h == 0 && g0 == 0 && c0 == 0; /* the first walk fetches */
+                const int64_t col = h * head_dim + c0 * VN;
+#define WALK(GN_, CN_)                                                                       \
+    values_walk(GN_, CN_, p, stride, v_pool, table, start, len, block_size, row, col, fetch, acc, \
+                bf16)
+                if (cn == dc && gn <= 4 && gn * dc <= VALUE_REGS) {
+                    switch (gn) {
+                    case 1: WALK(1, dc); break;
+                    case 2: WALK(2, dc); break;
+                    case 3: WALK(3, dc); break;
+                    default: WALK(4, dc); break;
                     }
-                    t0 += n;
+                } else {
+                    WALK((int)gn, cn);
                 }
+#undef WALK
                 for (int64_t g = 0; g < gn; g++)
                     for (int64_t c = 0; c < cn; c++)
                         storen(out + (h * group + g0 + g) * head_dim + (c0 + c) * VN,
-                               acc[g * dc + c]);
+                               acc[g * cn + c]);
             }
 }
 #endif
