@@ -10,9 +10,9 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
   rounding to int8, at most ``amax_block / 254`` per element; ~5e-3 of the outputs' norm for
   Gaussian x (tests/runtime/test_quant_linear.py). A weight the decode engine holds is
   regrouped once into tiles of 16 rows (:meth:`QuantWeight.tile`, csrc/quant_tiles.c) where
-  the build has their kernel (AVX-512 VNNI: every type; AVX2: Q4_0 and Q4_1): a vector's lane
-  is then a weight row, so the fp32 work per block is paid once per sixteen (AVX2: eight) rows,
-  not per four (two); the same rounding of x, the same bound.
+  the build has their kernel (AVX-512 VNNI or AVX2): a vector's lane is then a weight row, so
+  the fp32 work per block is paid once per sixteen (AVX2: eight) rows, not per four (two); the
+  same rounding of x, the same bound.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly
@@ -141,7 +141,6 @@ class QuantKernels:
         # kernel for it (or its library did not build): weights then keep their row layout.
         self.tile_rows = 0
         self.tiles_isa = "none"
-        self.tile_types: frozenset[QuantType] = frozenset()  # the types its kernel takes
         if tiles is not None:
             self._attach_tiles(tiles[0])
 
@@ -161,17 +160,8 @@ class QuantKernels:
         rows.argtypes, rows.restype = [], ctypes.c_int64
         isa = lib.baton_quant_tiles_path
         isa.argtypes, isa.restype = [], ctypes.c_char_p
-        types = lib.baton_quant_tile_types
-        types.argtypes, types.restype = [], ctypes.c_int64
         self.tile_rows = int(rows())
         self.tiles_isa = isa().decode()  # "avx512-vnni", "avx2" or "none"
-        bits = int(types())
-        self.tile_types = frozenset(t for t in QuantType if bits >> int(t) & 1)
-
-    def tiles(self, qtype: QuantType) -> bool:
-        """Whether weights of ``qtype`` take the tiled layout: its kernel is in this build
-        (AVX-512 VNNI: every type; AVX2: Q4_0 and Q4_1, csrc/quant_tiles.c says why)."""
-        return self.tile_rows > 0 and qtype in self.tile_types
 
     def linear(
         self, raw: torch.Tensor, qtype: int, k: int, x: torch.Tensor, bias: torch.Tensor | None
@@ -311,10 +301,9 @@ class QuantWeight:
     ``small_max_rows = 0``: always dequantize + SGEMM); ``select_rows`` and ``cat`` keep them.
 
     :meth:`tile` regroups ``raw`` in place into tiles of 16 rows (csrc/quant_tiles.c) where the
-    build has their int8 kernel for its type (:meth:`QuantKernels.tiles`): the decode engine's
-    form. ``raw`` then holds the
-    tiles (its rows padded to a multiple of 16) and every method serves as before; the int8
-    kernel's results equal the row layout's up to the order of the fp32 sums, a tiled
+    build has their int8 kernel (AVX-512 VNNI or AVX2): the decode engine's form. ``raw`` then
+    holds the tiles (its rows padded to a multiple of 16) and every method serves as before; the
+    int8 kernel's results equal the row layout's up to the order of the fp32 sums, a tiled
     weight's "f32" small mode is dequantize + SGEMM."""
 
     # Projection.project hands every row count to linear (int8 kernel or dequantize + SGEMM).
@@ -377,7 +366,7 @@ class QuantWeight:
         """Regroup ``raw`` into the tiled layout if the kernels have it (True; already tiled:
         True); else leave it (False). The row bytes are freed unless someone else holds them."""
         kernels = self.kernels
-        if self.tiled or kernels is None or not kernels.tiles(self.qtype):
+        if self.tiled or kernels is None or kernels.tile_rows == 0:
             return self.tiled
         self.raw = kernels.pack_tiles(self.raw, self.qtype, self.in_features)
         self._raw_ptr = self.raw.data_ptr()

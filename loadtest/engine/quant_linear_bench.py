@@ -84,7 +84,7 @@ def bench(
                 raw = quantize(torch.randn(n, k, generator=g), qtype)
                 weight = QuantWeight(raw, qtype, k, kernels)
                 dense = weight.dequantize()
-                tiles = kernels.pack_tiles(raw, qtype, k) if kernels.tiles(qtype) else None
+                tiles = kernels.pack_tiles(raw, qtype, k) if kernels.tile_rows else None
                 for m in rows:
                     x = torch.randn(m, k, generator=g)
                     for t in threads:

@@ -179,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     baseline_dir = export_hf_dir(model_dir)
     say(f"model {model_dir} (vocab {vocab_size}, weights {args.weight_format})")
     say(f"SLOs: TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s}s; dtype {args.dtype}")
+    # The floors are in the dtype Baton's engines compute: a bf16 run on a CPU without bf16
+    # instructions computes in fp32 (loader.resolve_dtype); vLLM and HF run the dtype asked.
+    computed = _computed_dtype(args.dtype, model_dir)
+    if computed != args.dtype:
+        say(f"Baton computes {args.dtype} in {computed} on this CPU: the floors are {computed}'s")
     say("roofline probes: memory bandwidth, GEMM peak...")
-    probes = roofline.probe(model_cfg, args.dtype)
+    probes = roofline.probe(model_cfg, computed)
 
     mm_rows = sorted({min(args.max_concurrency or args.num_requests, 256), 2048})
     matmul = measure_matmul(model_cfg, mm_rows)
@@ -255,11 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     # Probed again now that Baton is gone, the better of the two counts: other processes on a
     # shared machine only ever slow a probe (one start-of-run probe on 2 busy cores measured
     # 120 GFLOP/s fp32 where a quiet one gave 305).
-    probes = roofline.best_of(probes, roofline.probe(model_cfg, args.dtype))
+    probes = roofline.best_of(probes, roofline.probe(model_cfg, computed))
     # The floor is the hardware's: the faster of the two kernel choices (fp32), or the GEMM probe
     # in the run's dtype (bf16 runs on other kernels: AMX/AVX512-BF16 where the CPU has them).
     fp32 = [*matmul.values(), *(same["matmul_gflops"].values() if same else [])]
-    peak_gflops = max(fp32 + [probes["gemm_gflops"]] if args.dtype == "float32" else
+    peak_gflops = max(fp32 + [probes["gemm_gflops"]] if computed == "float32" else
                       [probes["gemm_gflops"]])  # fmt: skip
     # One peak for both floors: in fp32 the matmul timing above includes the probe's 2048-row
     # shape, with more trials.
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(run["results"], run["duration"], slo)
         flops = workload_flops(model_cfg, specs)
         floor_s = flops["total"] / (peak_gflops * 1e9)
-        floor = {**flops, "peak_gflops": peak_gflops, "floor_s": floor_s, "dtype": args.dtype,
+        floor = {**flops, "peak_gflops": peak_gflops, "floor_s": floor_s, "dtype": computed,
                  "floor_output_throughput": out_tokens(specs) / floor_s}  # fmt: skip
         # The baselines ran the first workload; a sweep's other rates have the same prompts.
         agreement = {name: greedy_agreement(run["outputs"], ref)
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         roof = None
         if math.isinf(run["rate"]):  # the floors model one all-at-once wave
             roof = roofline.roofline(
-                model_cfg, args.dtype, probes, [len(s.prompt_token_ids) for s in specs],
+                model_cfg, computed, probes, [len(s.prompt_token_ids) for s in specs],
                 [s.max_tokens for s in specs], summary.to_dict(), run["profile"],
             )  # fmt: skip
             print(roofline.format_roofline(roof))
@@ -375,6 +380,15 @@ def _print_comparison(
     line("Tokens/s the floor allows:", f"{ceiling:.1f}")
     line("Baton at % of the floor:", f"{100 * ours / ceiling:.1f}%")
     print("=" * 52)
+
+
+def _computed_dtype(dtype: str, model_dir: Path) -> str:
+    """The dtype Baton's engines compute ``dtype`` in on this CPU (loader.resolve_dtype)."""
+    import torch
+
+    from shared.runtime.loader import resolve_dtype
+
+    return str(resolve_dtype(dtype, model_dir, torch.device("cpu"))).removeprefix("torch.")
 
 
 def _environment() -> dict[str, Any]:

@@ -3,9 +3,9 @@ int8 kernel: the layout against a torch reference of it, byte for byte; the roun
 rows; the dequantize of a tiled weight bit for bit with gguf-py's; the kernel within the int8
 rounding bound of ``x @ dequantize(W).T`` (test_quant_linear.py's), equal to the row layout's
 kernel up to the fp32 sums' order, and the same bits whatever the threads, batch or tile; a tiled
-QuantWeight serving every method as before. A type the build's kernel does not take (Q8_0 on
-AVX2) is refused by the kernel and keeps its rows; a build with no tiled kernel (portable C) keeps
-every weight's rows: checked in test_quant_linear.py's test_other_builds."""
+QuantWeight serving every method as before. Where the build has no tiled kernel (portable C, no
+AVX2) weights keep their rows: checked in test_quant_linear.py's test_other_builds, which also
+checks the AVX2 build's tiles bit for bit against the AVX-512 VNNI build's."""
 
 from __future__ import annotations
 
@@ -62,19 +62,6 @@ def _tiles_reference(raw: torch.Tensor, qtype: QuantType, k: int) -> torch.Tenso
     return tile.reshape(groups * TR, nb * bb)
 
 
-def _refused(kernels: QuantKernels, qtype: QuantType) -> bool:
-    """True (after checking the refusal) where the build's tiled kernel does not take ``qtype``:
-    the kernel says so, and such a weight keeps its rows."""
-    if kernels.tiles(qtype):
-        return False
-    raw = _random_blocks(16, 64, qtype, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="refused"):
-        kernels.linear_tiles(kernels.pack_tiles(raw, qtype, 64), qtype, 16, 64,
-                             torch.randn(2, 64), None)  # fmt: skip
-    assert not QuantWeight(raw, qtype, 64, kernels).tile()
-    return True
-
-
 def _tiled_linear(kernels: QuantKernels) -> Linear:
     """QuantKernels.linear's arguments, run by the tiled kernel."""
     return partial(_tiled, kernels)
@@ -107,15 +94,13 @@ def test_layout_round_trip_and_dequantize(
 def test_int8_kernel_within_its_rounding_bound(
     kernels: QuantKernels, qtype: QuantType, k: int
 ) -> None:
-    if _refused(kernels, qtype):
-        return
     linear = _tiled_linear(kernels)
     for n in (1, 7, 16, 64, 192, 577):
         _check_int8(linear, qtype, n, k, ROWS if n in (7, 577) else [1, 8, 17])
 
 
 def test_non_finite_x(kernels: QuantKernels) -> None:
-    _check_non_finite(_tiled_linear(kernels), [t for t in TYPES if kernels.tiles(t)])
+    _check_non_finite(_tiled_linear(kernels))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -123,8 +108,6 @@ def test_the_row_layouts_kernel_up_to_summation_order(
     kernels: QuantKernels, qtype: QuantType
 ) -> None:
     """The same rounding of x, the same integer dots: only the fp32 sums' order differs."""
-    if _refused(kernels, qtype):
-        return
     g, raw = _seeded_weight(40 + int(qtype), 200, 576, qtype)
     x = torch.randn(19, 576, generator=g)
     tiled = _tiled_linear(kernels)(raw, qtype, 576, x, None)
@@ -138,8 +121,7 @@ def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels) -> 
     def tiled(raw: torch.Tensor, qtype: QuantType) -> QuantWeight:
         weight = QuantWeight(raw, qtype, 576, kernels)
         padded = (raw.shape[0] + TR - 1) // TR * TR  # 577 rows: 592
-        if kernels.tiles(qtype):
-            assert weight.tile() and weight.tiled and weight.raw.shape[0] == padded
+        assert weight.tile() and weight.tiled and weight.raw.shape[0] == padded
         return weight
 
     _check_bits_never_change(tiled)

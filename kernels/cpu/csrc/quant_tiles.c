@@ -154,7 +154,6 @@ int baton_quant_tiles_dequantize(const uint8_t *w, int64_t qtype, int64_t k, con
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE_PATH "avx512-vnni"
 #define TILE_ROWS TR
-#define TILE_TYPES ((1 << QT_Q4_0) | (1 << QT_Q4_1) | (1 << QT_Q8_0))
 #define MR 16 /* x rows a pass over a group's tiles: a decode batch of 16 reads each tile once */
 
 /* An x block's aux (xblock, ggml_blocks.h): the offset term, -8 sx or -128 sx (int32), as the
@@ -223,9 +222,6 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TILE_PATH "avx2"
 #define TILE_ROWS TR
-/* Q8_0 keeps the row layout here: vpmaddubsw's 16-bit pairs of (q + 128) * x overflow, and the
- * sign trick quant_linear.c uses needs the weights signed, twice the registers of a tile. */
-#define TILE_TYPES ((1 << QT_Q4_0) | (1 << QT_Q4_1))
 #define MR 16
 
 static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
@@ -235,9 +231,12 @@ static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
 
 /* group_rows of the AVX-512 build in AVX2, bit for bit: a tile's sixteen rows as two halves of
  * eight (lane r of a 256-bit vector: row 8h + r), and each vpdpbusd as a vpmaddubsw into 16-bit
- * pairs, the block's eight added in 16 bits (each pair at most 2 * 15 * 127, eight of them
+ * pairs, a Q4 block's eight added in 16 bits (each pair at most 2 * 15 * 127, eight of them
  * 30,480: no saturation), then one vpmaddwd to 32 bits: the same exact integer dot, then the
- * same float steps. */
+ * same float steps. Q8_0's (q + 128) * x pairs would overflow 16 bits, so its quants are made
+ * signed again once per block and multiplied as llama.cpp's AVX2 code does, |q| times x with
+ * q's sign (pairs at most 2 * 128 * 127), each chunk widened to 32 bits: q . x exactly, the
+ * integer the AVX-512 kernel reaches from (q + 128) . x - 128 sx. */
 INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int64_t nb,
                        const xblock *xp, int nvalid, float *y, int64_t ldy, const float *bias,
                        const uint8_t *next)
@@ -257,6 +256,27 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
                 qtype == QT_Q4_1
                     ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 2 * TR + 16 * h)))
                     : _mm256_setzero_ps();
+            if (qtype == QT_Q8_0) { /* the signed quants and their magnitudes, in L1 */
+                __m256i wq[8], wa[8];
+                for (int c = 0; c < 8; c++) {
+                    wq[c] = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i *)(t + sb + 64 * c + 32 * h)),
+                        _mm256_set1_epi8((char)0x80));
+                    wa[c] = _mm256_sign_epi8(wq[c], wq[c]); /* |q|; |-128| reads as 128 */
+                }
+                for (int m = 0; m < mr; m++) {
+                    const xblock *x = xp + m * nb + b;
+                    __m256i dot = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x->q4[c]), wq[c]);
+                        dot = _mm256_add_epi32(
+                            dot, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], xs), ones));
+                    }
+                    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->dx));
+                    acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m][h]);
+                }
+                continue;
+            }
             __m256i wv[8];
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(t + sb + 64 * c + 32 * h));
@@ -304,11 +324,7 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
     }
 GROUP_FN(group_q4_0, QT_Q4_0)
 GROUP_FN(group_q4_1, QT_Q4_1)
-#if TILE_TYPES & (1 << QT_Q8_0)
 GROUP_FN(group_q8_0, QT_Q8_0)
-#else
-#define group_q8_0 NULL
-#endif
 typedef void (*group_fn)(const uint8_t *, int64_t, const xblock *, int, int, float *, int64_t,
                          const float *, const uint8_t *);
 
@@ -320,7 +336,7 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
                              int64_t parts)
 {
     const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
-    if (nb == 0 || !(TILE_TYPES & (1 << qtype))) return -1;
+    if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
     const group_fn fn = qtype == QT_Q4_0 ? group_q4_0 : qtype == QT_Q4_1 ? group_q4_1 : group_q8_0;
     xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));
@@ -349,7 +365,6 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
 #else
 #define TILE_PATH "none"
 #define TILE_ROWS 0
-#define TILE_TYPES 0
 
 int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
@@ -363,8 +378,5 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
 
 /* Rows a tile holds where this build has the kernel; 0: weights keep their row layout. */
 int64_t baton_quant_tile_rows(void) { return TILE_ROWS; }
-
-/* The weight types the kernel takes, as bits 1 << type; the others keep their row layout. */
-int64_t baton_quant_tile_types(void) { return TILE_TYPES; }
 
 const char *baton_quant_tiles_path(void) { return TILE_PATH; }
