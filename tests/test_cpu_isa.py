@@ -51,6 +51,8 @@ def test_settings_hold_the_compiler_and_the_libraries(monkeypatch: pytest.Monkey
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_kernels_are_correct_on_every_instruction_set(isa: str) -> None:
+    if isa == "avx2" and "avx512f" not in cpu_isa.cpu_flags():
+        pytest.skip("this CPU's own build is the AVX2 path: the suite's kernel tests ran it")
     env = {**os.environ, cpu_isa.ENV: isa}
     for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
         env.pop(name, None)
