@@ -56,6 +56,12 @@ class PrefillKernel:
         self._attend.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I]
         self._attend.restype = ctypes.c_int
         self.max_threads = max(1, max_threads)
+        lanes = lib.baton_prefill_attention_lanes
+        lanes.argtypes, lanes.restype = [], ctypes.c_int64
+        # The engines use the kernel where its build has 16-lane registers (AVX-512): on AVX2
+        # its 16 x 16 register tiles spill, and a prompt's forward ran ~1.6x slower than with
+        # SDPA (docs/perf-log.md, "Decode on AVX2"). The tests run it everywhere.
+        self.serves = int(lanes()) >= 16
 
     @staticmethod
     def supports(head_dim: int) -> bool:

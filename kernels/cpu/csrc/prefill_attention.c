@@ -231,3 +231,9 @@ int baton_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
     for (int64_t i = 0; i < parts; i++) failed |= run_part(&c, work * i / parts, work * (i + 1) / parts);
     return failed;
 }
+
+/* Lanes of the vector registers this build has (vec16.h's VN). The 16 x 16 register tiles
+ * above are written for AVX-512's thirty-two 16-lane registers: on AVX2 a tile's sums take all
+ * sixteen registers twice over and its compares run lane by lane, and a prompt's forward ran
+ * slower than with SDPA, so the engines keep SDPA there (kernels/cpu/prefill_attention.py). */
+int64_t baton_prefill_attention_lanes(void) { return VN; }

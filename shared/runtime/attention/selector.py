@@ -72,6 +72,8 @@ def select_backend(
             int8_kernel = load_int8_kernel()
         if dtype == torch.float32 and head_dim is not None and PrefillKernel.supports(head_dim):
             prefill_kernel = load_prefill_kernel()  # fresh prompts: their own K/V, any cache
+            if prefill_kernel is not None and not prefill_kernel.serves:
+                prefill_kernel = None  # SDPA is faster on this build (PrefillKernel.serves)
     return TorchAttentionBackend(
         num_blocks, block_size, num_kv_heads, scale, device, codec, kernel, prefill_kernel,
         fp_window, int8_kernel,
