@@ -134,7 +134,8 @@ class BatonConfig:
     # burst onset"). 0 = off.
     step_nice: int = 10
     # CPU attention in fp32 over a float cache: "auto" = the C kernels of kernels/cpu/csrc for
-    # decode and for fresh prompts' prefill, greedy rows' argmax and RoPE (compiled on first use
+    # decode and for fresh prompts' prefill (AVX-512 builds; SDPA on AVX2, where it is faster),
+    # greedy rows' argmax and RoPE (compiled on first use
     # with the machine's cc into BATON_CACHE_DIR; the torch path if no C compiler), "torch" = the
     # torch path (SDPA for prefill). See
     # kernels/cpu/paged_decode_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
