@@ -81,6 +81,23 @@ typedef struct {
     } aux;
 } xblock;
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+/* A block of x quantized: its 32 int8 values q (stored + 128 as unsigned bytes where `offset`),
+ * its scale d and the sum of q, sx, as the kernels read them: aux = d * sx * fmul for Q4_1,
+ * imul * sx for the other types. */
+INLINE void put_xblock(xblock *o, __m256i q, float d, int32_t sx, int64_t qtype, int offset,
+                       float fmul, int32_t imul)
+{
+    if (offset) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+    _mm256_storeu_si256((__m256i *)o->q, q);
+    o->dx = d;
+    if (qtype == QT_Q4_1)
+        o->aux.f = d * (float)sx * fmul;
+    else
+        o->aux.i = imul * sx;
+}
+#endif
+
 #if defined(__AVX512F__)
 /* Row x's nb blocks of 32 quantized as llama.cpp's CPU backend does it (ggml's quantize_row_q8_0
  * with the scale kept in fp32): dx = amax / 127 (NaN where the block holds a NaN), xq = round(x /
@@ -100,14 +117,8 @@ INLINE void quant_row_avx512(const float *x, int64_t nb, int64_t qtype, const in
         const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
         const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
         const int32_t sx = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
-        if (offset) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
-        _mm256_storeu_si256((__m256i *)out[b].q, q);
-        out[b].dx = d;
-        if (qtype == QT_Q4_1)
-            out[b].aux.f = d * (float)sx * fmul;
-        else
-            out[b].aux.i = imul * sx;
+        put_xblock(out + b, _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0)),
+                   d, sx, qtype, offset, fmul, imul);
     }
 }
 #endif
@@ -142,15 +153,9 @@ INLINE void quant_row_avx2(const float *x, int64_t nb, int64_t qtype, const int 
         const int32_t sx = _mm_cvtsi128_si32(s4);
         /* packs interleave the 128-bit lanes; the permute puts the bytes back in order */
         const __m256i i01 = _mm256_packs_epi32(i[0], i[1]), i23 = _mm256_packs_epi32(i[2], i[3]);
-        __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
-                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (offset) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
-        _mm256_storeu_si256((__m256i *)out[b].q, q);
-        out[b].dx = d;
-        if (qtype == QT_Q4_1)
-            out[b].aux.f = d * (float)sx * fmul;
-        else
-            out[b].aux.i = imul * sx;
+        const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        put_xblock(out + b, q, d, sx, qtype, offset, fmul, imul);
     }
 }
 #endif

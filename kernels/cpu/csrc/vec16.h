@@ -1,10 +1,10 @@
-/* Sixteen fp32 lanes in GCC's vector types, as the attention and elementwise kernels compute
- * (paged_decode_attention.c, paged_decode_int8.c, prefill_attention.c, layer_ops.c): AVX-512
- * where -march=native has it, pairs of AVX2 registers elsewhere. Loads and stores through
- * memcpy (no alignment assumed), bf16 widened by its bit pattern (a bf16 is a float's top
- * half), Cephes' e^x, and the transpose-and-add of sixteen vectors' sums. Included by each
- * source; the native build keys a library on the headers its source includes
- * (kernels/cpu/build.py). */
+/* fp32 lanes in GCC's vector types, as the attention and elementwise kernels compute
+ * (paged_decode_attention.c, paged_decode_int8.c, prefill_attention.c, layer_ops.c, argmax.c):
+ * v16, sixteen lanes (AVX-512 where -march=native has it, pairs of AVX2 registers elsewhere),
+ * and vn, the CPU's own width (sixteen or eight). Loads and stores through memcpy (no alignment
+ * assumed), bf16 widened by its bit pattern (a bf16 is a float's top half), Cephes' e^x, and the
+ * transpose-and-add of a tile's sums. Included by each source; the native build keys a library
+ * on the headers its source includes (kernels/cpu/build.py). */
 #ifndef BATON_VEC16_H
 #define BATON_VEC16_H
 #include <stdint.h>
@@ -12,8 +12,6 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
 static inline v16 load16(const float *p)
 {
@@ -23,47 +21,6 @@ static inline v16 load16(const float *p)
 }
 
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* Sixteen bf16 values from p, as fp32 (exact). */
-static inline v16 widen16(const uint16_t *p)
-{
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    const v16u w = __builtin_convertvector(h, v16u) << 16;
-    v16 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-/* Sixteen fp32 (bf16 = 0) or bf16 (bf16 = 1) elements from p, as fp32: a constant bf16 where
- * this is inlined leaves no branch. */
-static inline __attribute__((always_inline)) v16 load16_as(const void *p, int bf16)
-{
-    if (!bf16) return load16(p);
-    return widen16(p);
-}
-
-/* e^x over a vector's lanes for x the caller clamped to [-87.3, 88] (NaN passes): x = n ln2 + r,
- * a degree-6 polynomial in r (Cephes' expf, ~2 ulp), times 2^n built in the exponent bits. One
- * definition for each vector type (f: float lanes, i / u: int32 / uint32 lanes of its width). */
-#define DEFINE_EXP_CLAMPED(name, f, i, u)                                                    \
-    static inline f name(f x)                                                                \
-    {                                                                                        \
-        const f t = x * 1.44269504088896341f + 0.5f;                                         \
-        i ni = __builtin_convertvector(t, i); /* truncates: one more than floor where t < 0 */ \
-        ni += (i)(__builtin_convertvector(ni, f) > t); /* a true lane is -1: floor(t) */     \
-        const f n = __builtin_convertvector(ni, f);                                          \
-        f r = x - n * 0.693359375f;                                                          \
-        r = r - n * -2.12194440e-4f;                                                         \
-        f p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                       \
-        p = p * r + 8.3334519073e-3f;                                                        \
-        p = p * r + 4.1665795894e-2f;                                                        \
-        p = p * r + 1.6666665459e-1f;                                                        \
-        p = p * r + 5.0000001201e-1f;                                                        \
-        p = p * r * r + r + 1.0f;                                                            \
-        return p * (f)((u)(ni + 127) << 23);                                                 \
-    }
-DEFINE_EXP_CLAMPED(exp16_clamped, v16, v16i, v16u)
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 /* __builtin_shufflevector: GCC 12 on. */
@@ -116,7 +73,24 @@ static inline vn loadn(const float *p)
 
 static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
 
-DEFINE_EXP_CLAMPED(expn_clamped, vn, vni, vnu)
+/* e^x over VN lanes for x the caller clamped to [-87.3, 88] (NaN passes): x = n ln2 + r, a
+ * degree-6 polynomial in r (Cephes' expf, ~2 ulp), times 2^n built in the exponent bits. */
+static inline vn expn_clamped(vn x)
+{
+    const vn t = x * 1.44269504088896341f + 0.5f;
+    vni ni = __builtin_convertvector(t, vni); /* truncates: one more than floor where t < 0 */
+    ni += (vni)(__builtin_convertvector(ni, vn) > t); /* a true lane is -1: floor(t) */
+    const vn n = __builtin_convertvector(ni, vn);
+    vn r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vn p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vn)((vnu)(ni + 127) << 23);
+}
 
 /* VN fp32 (bf16 = 0) or bf16 (bf16 = 1) elements from p, as fp32 (a bf16 widens exactly). */
 static inline __attribute__((always_inline)) vn loadn_as(const void *p, int bf16)
