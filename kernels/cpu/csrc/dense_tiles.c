@@ -29,7 +29,6 @@
  * OpenMP team (libgomp resolves to the copy torch loaded, as in quant_linear.c). */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -114,6 +113,8 @@ int baton_dense_tiles_rows(const void *src, int64_t bf16, int64_t k, const int64
 #define FEW_TILES 4
 #define MANY_TILES 2
 #define BLOCK_ROWS 12
+#define K_CHUNK 0 /* one chunk: the whole k (chunks unmeasured here; see the AVX2 build's) */
+#define CHUNK_ROWS 0
 typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
@@ -346,17 +347,21 @@ amx_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *ac
         else { switch (rows) { ROWS_BLOCK(K_, 1) default: break; } }                           \
     } while (0)
 
+/* Rows of partial sums a part's stack holds: a chunked call's, and never fewer than a block's
+ * (the compiler's bounds check sees a block's reads even where k is one chunk). */
+#define SCRATCH_ROWS (CHUNK_ROWS > MAX_ROWS ? CHUNK_ROWS : MAX_ROWS)
+
 /* The loops of a call: the parts' group ranges on the OpenMP team, runs of t tiles, steps of k
  * in chunks of `chunk`, blocks of x rows; BLOCK(t, rows, g, m0, j0, j1, part) runs one, part
- * the block's partial sums in the part's scratch (m x 4 x 16 floats; NULL where one chunk
- * covers k). A chunk of a run is read from memory once, by the first block; the others find it
- * in L1. */
+ * the block's partial sums in the part's scratch on its stack (m x 4 x 16 floats; NULL where
+ * one chunk covers k). A chunk of a run is read from memory once, by the first block; the
+ * others find it in L1. */
 #define DRIVE(groups, m, k, T, block, chunk, parts, BLOCK)                                     \
     _Pragma("omp parallel for num_threads(parts) schedule(static) if (parts > 1)")            \
     for (int64_t p = 0; p < parts; p++) {                                                      \
         const int64_t g1 = groups * (p + 1) / parts;                                           \
-        float *scratch = chunk < k ? malloc((size_t)(m * 4 * TR) * sizeof(float)) : NULL;      \
-        const int64_t step = scratch ? chunk : k; /* no memory: one chunk, the same sums */    \
+        float scratch[SCRATCH_ROWS * 4 * TR]; /* a chunked call's rows: CHUNK_ROWS at most */ \
+        const int64_t step = chunk < k && m <= CHUNK_ROWS ? chunk : k;                         \
         const int64_t nblocks = (m + block - 1) / block; /* of rows as even as they split */   \
         for (int64_t g = groups * p / parts; g < g1;) {                                        \
             int t = T;                                                                         \
@@ -365,14 +370,13 @@ amx_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *ac
                 const int64_t j1 = k - j0 < step ? k : j0 + step;                              \
                 for (int64_t i = 0, m0 = 0; i < nblocks; i++) {                                \
                     const int64_t rows = m * (i + 1) / nblocks - m0;                           \
-                    float *part = scratch ? scratch + m0 * 4 * TR : NULL;                      \
+                    float *part = step < k ? scratch + m0 * 4 * TR : NULL;                     \
                     BLOCK(t, rows, g, m0, j0, j1, part);                                       \
                     m0 += rows;                                                                \
                 }                                                                              \
             }                                                                                  \
             g += t;                                                                            \
         }                                                                                      \
-        free(scratch);                                                                         \
     }
 
 /* y [m, n] = x [m, k] . W^T (+ bias) over the tiled fp32 w (x's rows contiguous; bias padded
@@ -384,11 +388,7 @@ int baton_dense_tiles_linear_f32(const float *x, int64_t m, int64_t n, int64_t k
     const int64_t groups = (n + TR - 1) / TR;
     const int T = m <= FEW_ROWS ? FEW_TILES : MANY_TILES;
     const int64_t block = m <= FEW_ROWS ? m : BLOCK_ROWS;
-#if defined(K_CHUNK)
-    const int64_t chunk = m > block && m <= CHUNK_ROWS ? K_CHUNK : k;
-#else
-    const int64_t chunk = k;
-#endif
+    const int64_t chunk = K_CHUNK && m > block && m <= CHUNK_ROWS ? K_CHUNK : k;
 #define F32_RUN(T_, MB_)                                                                       \
     f32_block(T_, MB_, w + g * TR * k, k, j0, j1, x + m0 * k, part, y + m0 * n, n, bias,       \
               g * TR, n - g * TR, m0 == 0 || chunk == k ? PREFETCH : chunk)
