@@ -148,7 +148,8 @@ class BatonConfig:
     decode_linear: str = "tiles"
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512
     # kernels where the CPU has AVX-512; the process re-executes itself with a small library
-    # preloaded), "stock" (MKL's own: AVX2 on any AMD CPU). See kernels/cpu/mkl_dispatch.py.
+    # preloaded; not under a cap on MKL's instructions, as BATON_CPU_ISA below native sets),
+    # "stock" (MKL's own: AVX2 on any AMD CPU). See kernels/cpu/mkl_dispatch.py.
     mkl_dispatch: str = "features"
     # The instruction sets native code may use: "native" (this CPU's), "avx2" (AVX2 + FMA: the C
     # kernels, MKL, oneDNN and ATen held to what an AMD Zen 3 or an older Intel has, bf16 then

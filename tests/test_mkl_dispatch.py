@@ -29,8 +29,9 @@ print(json.dumps({"preload": os.environ.get("LD_PRELOAD", ""),
 
 
 def run_child(mode: str) -> dict[str, str]:
-    done = subprocess.run(  # inherits this session's environment, preload included
-        [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True
+    env = {k: v for k, v in os.environ.items() if k != mkl_dispatch.CAP}  # no cap: it applies
+    done = subprocess.run(  # this session's environment otherwise, preload included
+        [sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, check=True
     )
     result: dict[str, str] = json.loads(done.stdout.splitlines()[-1])
     return result
@@ -70,6 +71,7 @@ def test_the_environment_keeps_other_preloads(
 def test_stock_drops_an_inherited_library(monkeypatch: pytest.MonkeyPatch) -> None:
     inherited = "/cache/mkl_vendor_check-0123.so /opt/a.so"
     monkeypatch.setenv("LD_PRELOAD", inherited)
+    monkeypatch.delenv(mkl_dispatch.CAP, raising=False)  # BATON_CPU_ISA=avx2 make test sets it
     assert mkl_dispatch.reexec_env("stock") == {
         **mkl_dispatch.stock_env(os.environ),
         "LD_PRELOAD": "/opt/a.so",
@@ -77,6 +79,20 @@ def test_stock_drops_an_inherited_library(monkeypatch: pytest.MonkeyPatch) -> No
     assert mkl_dispatch.reexec_env("features") is None  # already there
     monkeypatch.setenv("LD_PRELOAD", "/opt/a.so")
     assert mkl_dispatch.reexec_env("stock") is None
+
+
+def test_a_cap_on_mkls_instructions_keeps_the_library_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With both, MKL's threaded vector math ran AVX-512 kernels on an AVX2-only CPU (SIGILL).
+    monkeypatch.setattr(mkl_dispatch, "applies", lambda mode: True)
+    assert mkl_dispatch.preload_env("features", {mkl_dispatch.CAP: "AVX2"}) is None
+    monkeypatch.delenv(mkl_dispatch.CAP, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/cache/mkl_vendor_check-0123.so")
+    assert mkl_dispatch.reexec_env("features") is None
+    monkeypatch.setenv(mkl_dispatch.CAP, "SSE4_2")  # BATON_CPU_ISA=portable in a child
+    assert mkl_dispatch.reexec_env("features") == mkl_dispatch.stock_env(os.environ)
+    assert "LD_PRELOAD" not in mkl_dispatch.stock_env(os.environ)
 
 
 def test_no_reexecution_once_torch_is_loaded() -> None:

@@ -15,6 +15,13 @@ compared must choose alike: the services do at start, the test session does
 (``tests/conftest.py``), so HF's reference runs on the engine's kernels. ``BATON_MKL_DISPATCH``:
 ``features`` (the default; a no-op off AMD x86) or ``stock`` (MKL's own choice).
 
+Where ``MKL_ENABLE_INSTRUCTIONS`` caps MKL (``BATON_CPU_ISA`` below ``native``, or set by hand)
+the library stays out and MKL keeps its stock choice under the cap: with the library and
+``portable``'s cap, MKL's threaded vector math (torch's ``cos``) now and then ran an AVX-512
+kernel on an AVX2-only Zen 3 and died of SIGILL (4 processes in 50; none in 50 with the library
+alone, the cap alone, or the library under ``avx2``'s cap). A capped process is a test of an
+older CPU's paths, where MKL's own choice is the one to test.
+
 Torch-free: it runs before torch loads.
 """
 
@@ -34,6 +41,7 @@ log = structlog.get_logger(__name__)
 
 MODES = ("features", "stock")
 SOURCE = CSRC / "mkl_vendor_check.c"
+CAP = "MKL_ENABLE_INSTRUCTIONS"
 FLAGS = ("-O2", "-fPIC", "-shared")
 
 
@@ -48,6 +56,12 @@ def applies(mode: str) -> bool:
     )
 
 
+def capped(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``env`` (this process's environment) caps MKL's instructions: the library then
+    stays out."""
+    return CAP in (os.environ if env is None else env)
+
+
 def preloaded(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``env`` (this process's environment) preloads the library."""
     return any(_is_ours(p) for p in _entries(os.environ if env is None else env))
@@ -55,8 +69,8 @@ def preloaded(env: Mapping[str, str] | None = None) -> bool:
 
 def preload_env(mode: str, env: Mapping[str, str]) -> dict[str, str] | None:
     """``env`` with the library preloaded, if ``mode`` asks for it here; None if it does not
-    apply, or cannot be built (no compiler: MKL stays stock, one warning)."""
-    if not applies(mode):
+    apply, ``env`` caps MKL, or it cannot be built (no compiler: MKL stays stock, one warning)."""
+    if not applies(mode) or capped(env):
         return None
     if preloaded(env):
         return dict(env)
@@ -70,8 +84,8 @@ def preload_env(mode: str, env: Mapping[str, str]) -> dict[str, str] | None:
 
 def ensure(mode: str) -> None:
     """Re-execute this process with the library preloaded if ``mode`` asks for it here and it
-    is not preloaded yet (without it if ``stock`` and it is); otherwise return. Call before
-    torch is imported."""
+    is not preloaded yet (without it if ``stock`` or capped and it is); otherwise return. Call
+    before torch is imported."""
     env = reexec_env(mode)
     if env is not None:
         reexec(env)
@@ -79,9 +93,9 @@ def ensure(mode: str) -> None:
 
 def reexec_env(mode: str) -> dict[str, str] | None:
     """The environment :func:`ensure` would re-execute this process with; None: no need. A
-    process started with the library (a parent's choice) under ``stock`` drops it."""
+    process started with the library (a parent's choice) under ``stock`` or a cap drops it."""
     if preloaded():
-        return stock_env(os.environ) if mode == "stock" else None
+        return stock_env(os.environ) if mode == "stock" or capped() else None
     return preload_env(mode, os.environ)
 
 
