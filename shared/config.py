@@ -135,10 +135,10 @@ class BatonConfig:
     step_nice: int = 10
     # CPU attention in fp32 over a float cache: "auto" = the C kernels of kernels/cpu/csrc for
     # decode and for fresh prompts' prefill (AVX-512 builds; SDPA on AVX2, where it is faster),
-    # greedy rows' argmax and RoPE (compiled on first use
-    # with the machine's cc into BATON_CACHE_DIR; the torch path if no C compiler), "torch" = the
-    # torch path (SDPA for prefill). See
-    # kernels/cpu/paged_decode_attention.py, cpu_prefill_attention.py, cpu_argmax.py, cpu_rope.py.
+    # greedy rows' argmax and RoPE (compiled on first use with the machine's cc into
+    # BATON_CACHE_DIR; the torch path if no C compiler), "torch" = the torch path (SDPA for
+    # prefill). See kernels/cpu/paged_decode_attention.py, cpu_prefill_attention.py,
+    # cpu_argmax.py, cpu_rope.py.
     cpu_attention: str = "auto"
     # The decode engine's fp32 / bf16 projections on CPU: "tiles" = weights regrouped into tiles
     # of 16 rows with their own kernel (fp32 on AVX-512 or AVX2, bf16 on AVX512-BF16 or AMX; one
