@@ -96,6 +96,26 @@ def test_roofline_rows_from_the_profile_and_from_the_client() -> None:
     assert "% of floor" in roofline.format_roofline(r)
 
 
+def test_packed_weights_floor_their_decode_step_at_their_bytes_and_arithmetic() -> None:
+    """A packed GGUF run: the decode step reads the packed bytes and computes at the decode
+    arithmetic's peak (int8); prefill keeps the dtype's GEMM peak."""
+    probes = {"bandwidth_gbs": 10.0, "gemm_gflops": 100.0, "gemm_shape": [2048, 8, 16],
+              "threads": 2, "probe_s": 1.0, "decode_arith": "int8",
+              "decode_gemm_gflops": 400.0}  # fmt: skip
+    prompts, outputs = [3, 5], [2, 4]
+    r = roofline.roofline(TOY, "float32", probes, prompts, outputs, _summary(0.1, 0.3), None,
+                          weight_bytes=123)  # fmt: skip
+    step = r["decode_step"]
+    assert step["weight_bytes"] == 123
+    assert step["compute_s"] == pytest.approx(step["flops"] / 400e9)
+    assert r["prefill"]["floor_s"] == pytest.approx(20_096 / 100e9)
+    assert "int8" in roofline.format_roofline(r)
+
+
+def test_the_int8_probe_runs() -> None:
+    assert roofline.probe_gemm("int8", 64, 64, 64, budget_s=0.1) > 0
+
+
 def test_phase_summary_splits_prefill_and_decode() -> None:
     samples = [
         (0.0, {"prefill": 0.0, "decode": 0.0}),
@@ -131,3 +151,6 @@ def test_best_of_two_probes_keeps_the_faster_figures() -> None:
     m = roofline.best_of(a, b)
     assert (m["bandwidth_gbs"], m["gemm_gflops"], m["probe_s"]) == (25.0, 300.0, 3.0)
     assert m["gemm_gflops_runs"] == [300.0, 120.0] and m["dtype"] == "float32"
+    a = {**a, "decode_arith": "int8", "decode_gemm_gflops": 700.0}
+    b = {**b, "decode_arith": "int8", "decode_gemm_gflops": 800.0}
+    assert roofline.best_of(a, b)["decode_gemm_gflops"] == 800.0

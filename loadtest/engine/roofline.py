@@ -5,13 +5,15 @@ torch's default threads; the better of the two runs counts):
 - memory bandwidth: ``sum`` over a tensor far larger than the last-level cache (read-only, as
   streaming weights is), best of several trials, GB/s;
 - GEMM peak: ``torch.mm`` at a prefill-like shape (2048 x hidden x intermediate) in the run's
-  dtype, best of several trials, GFLOP/s.
+  dtype, best of several trials, GFLOP/s; for a decode step over packed GGUF weights, which
+  computes in int8 (x quantized per block, integer dot products), ``torch._int_mm`` too.
 
 Floors, from the model's config.json (llama/qwen2 layouts):
-- a decode step at batch B reads every matmul weight once (layers + LM head, in the dtype) and
-  the KV of each sequence's context: ``(weight bytes + B x context x KV bytes/token) /
-  bandwidth``; it also needs ``2 x matmul params x B`` FLOPs (+ attention), so the floor is the
-  larger of the memory and the compute time;
+- a decode step at batch B reads every matmul weight once (layers + LM head, in the dtype, or
+  as packed) and the KV of each sequence's context: ``(weight bytes + B x context x KV
+  bytes/token) / bandwidth``; it also needs ``2 x matmul params x B`` FLOPs (+ attention) at
+  the decode arithmetic's GEMM peak, so the floor is the larger of the memory and the compute
+  time;
 - a prefill wave of T prompt tokens: ``(2 x layer params x T + attention FLOPs) / GEMM peak``
   (causal attention, 4·layers·heads·head_dim per (query, key) pair; the LM head once per
   request).
@@ -129,24 +131,35 @@ def probe_bandwidth(mib: int = 512, trials: int = 5) -> float:
 
 
 def probe_gemm(dtype: str, m: int, k: int, n: int, budget_s: float = 2.0) -> float:
-    """GFLOP/s of ``torch.mm`` [m, k] x [k, n] in ``dtype``, best of trials within ``budget_s``."""
+    """GFLOP/s of ``torch.mm`` [m, k] x [k, n] in ``dtype``, best of trials within ``budget_s``.
+    ``int8``: ``torch._int_mm`` (int8 x int8 -> int32, oneDNN's VNNI / AMX-INT8 kernels), the
+    arithmetic of a packed GGUF weight's decode kernel (int8 x, integer dot products): its
+    operations a second, counted as FLOPs are."""
     import torch
 
-    tdt = getattr(torch, dtype)
-    a, b = torch.randn(m, k).to(tdt), torch.randn(k, n).to(tdt)
-    torch.mm(a, b)  # warm-up: packing, kernel choice
+    if dtype == "int8":
+        a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        b = torch.randint(-127, 128, (k, n), dtype=torch.int8)
+        mm = torch._int_mm
+    else:
+        tdt = getattr(torch, dtype)
+        a, b = torch.randn(m, k).to(tdt), torch.randn(k, n).to(tdt)
+        mm = torch.mm
+    mm(a, b)  # warm-up: packing, kernel choice
     best, t_end = math.inf, time.perf_counter() + budget_s
     for i in range(20):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        mm(a, b)
         best = min(best, time.perf_counter() - t0)
         if i >= 2 and time.perf_counter() > t_end:
             break
     return 2.0 * m * k * n / best / 1e9
 
 
-def probe(cfg: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-    """Both probes (a few seconds); the GEMM at 2048 x hidden x intermediate in ``dtype``."""
+def probe(cfg: Mapping[str, Any], dtype: str, decode_arith: str | None = None) -> dict[str, Any]:
+    """Both probes (a few seconds); the GEMM at 2048 x hidden x intermediate in ``dtype``, and
+    in ``decode_arith`` where a decode step computes in another (``int8``: packed GGUF
+    weights) as ``decode_gemm_gflops``."""
     import torch
 
     shape = Shape.of(cfg)
@@ -155,14 +168,19 @@ def probe(cfg: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     out = {"bandwidth_gbs": probe_bandwidth(), "gemm_gflops": probe_gemm(dtype, *gemm),
            "gemm_shape": list(gemm), "dtype": dtype,
            "threads": torch.get_num_threads()}  # fmt: skip
+    arith = decode_arith or dtype
+    out["decode_arith"] = arith
+    out["decode_gemm_gflops"] = out["gemm_gflops"] if arith == dtype else probe_gemm(arith, *gemm)
     out["probe_s"] = time.perf_counter() - t0
     return out
 
 
 def best_of(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """Two probes' results merged: the higher bandwidth and GEMM rate, the probe time summed."""
+    """Two probes' results merged: the higher bandwidth and GEMM rates, the probe time summed."""
     out = {**a, "probe_s": a["probe_s"] + b["probe_s"]}
-    for key in ("bandwidth_gbs", "gemm_gflops"):
+    for key in ("bandwidth_gbs", "gemm_gflops", "decode_gemm_gflops"):
+        if key not in a:  # a probe from before the decode arithmetic's figure
+            continue
         out[key] = max(a[key], b[key])
         out[key + "_runs"] = [a[key], b[key]]
     return out
@@ -192,14 +210,17 @@ def roofline(
     output_lens: Sequence[int],
     summary: Mapping[str, Any],
     profile: Mapping[str, Any] | None,
+    weight_bytes: float | None = None,
 ) -> dict[str, Any]:
-    """The decode-step and prefill rows of an all-at-once run (JSON-ready)."""
+    """The decode-step and prefill rows of an all-at-once run (JSON-ready). ``weight_bytes``:
+    what a decode step reads of the weights where not ``dtype``'s (packed GGUF)."""
     shape = Shape.of(cfg)
     bw, peak = float(probes["bandwidth_gbs"]), float(probes["gemm_gflops"])
+    decode_peak = float(probes.get("decode_gemm_gflops", peak))
     batch = len(prompt_lens)
     # Mean context over the decode steps: the prompt plus half the output, averaged.
     context = sum(p + o / 2 for p, o in zip(prompt_lens, output_lens, strict=True)) / batch
-    step = decode_floor(shape, dtype, batch, context, bw, peak)
+    step = decode_floor(shape, dtype, batch, context, bw, decode_peak, weight_bytes)
     pre = prefill_flops(shape, prompt_lens)
     pre_floor = pre["total"] / (peak * 1e9)
 
@@ -237,6 +258,9 @@ def format_roofline(r: Mapping[str, Any]) -> str:
     lines.append(f"measured: memory bandwidth {p['bandwidth_gbs']:.1f} GB/s, "
                  f"GEMM {'x'.join(map(str, p['gemm_shape']))} {p['gemm_gflops']:.1f} GFLOP/s "
                  f"({p['threads']} threads, probes {p['probe_s']:.1f} s)")  # fmt: skip
+    if p.get("decode_arith", r["dtype"]) != r["dtype"]:
+        lines.append(f"decode step's arithmetic: {p['decode_arith']}, GEMM"
+                     f" {p['decode_gemm_gflops']:.1f} G/s (packed weights)")  # fmt: skip
     if "gemm_gflops_runs" in p:
         runs = zip(p["bandwidth_gbs_runs"], p["gemm_gflops_runs"], strict=True)
         each = ", ".join(f"{bw:.1f} GB/s {g:.1f} GFLOP/s" for bw, g in runs)

