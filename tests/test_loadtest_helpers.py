@@ -149,6 +149,8 @@ def test_workload_flops_by_hand() -> None:
     assert f["matmul"] == 2 * 1152 * t + 2 * 80 * 2
     assert f["attention"] == 4 * 2 * 2 * 4 * t * (t + 1) / 2
     assert f["total"] == f["matmul"] + f["attention"]
+    # one decode step (the second output token): the layers and the head once
+    assert f["decode_matmul"] == 2 * (1152 + 80) * 1
 
 
 def test_read_vocab(tmp_path: Path) -> None:

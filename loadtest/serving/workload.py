@@ -359,7 +359,9 @@ def workload_flops(model_cfg: dict[str, Any], specs: Sequence[RequestSpec]) -> d
     A request of n prompt and m output tokens forwards T = n + m - 1 tokens (the last sampled
     token is never fed back): 2 x matmul params per token for the layers, the LM head only
     where a token is sampled (m times), and causal attention 4·layers·heads·head_dim per
-    (query, key) pair, T(T+1)/2 pairs. Embedding lookups, norms and activations are ignored."""
+    (query, key) pair, T(T+1)/2 pairs. Embedding lookups, norms and activations are ignored.
+    ``decode_matmul``: the part of ``matmul`` the decode steps do (m - 1 tokens a request, each
+    through the layers and the head)."""
     h = int(model_cfg["hidden_size"])
     layers = int(model_cfg["num_hidden_layers"])
     heads = int(model_cfg["num_attention_heads"])
@@ -369,15 +371,17 @@ def workload_flops(model_cfg: dict[str, Any], specs: Sequence[RequestSpec]) -> d
     vocab = int(model_cfg["vocab_size"])
     layer_params = h * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 3 * h * inter
     body, head = layers * layer_params, vocab * h
-    matmul = attention = 0.0
+    matmul = decode = attention = 0.0
     for spec in specs:
         n, m = len(spec.prompt_token_ids), spec.max_tokens
         t = n + m - 1
         matmul += 2.0 * body * t + 2.0 * head * m
+        decode += 2.0 * (body + head) * max(m - 1, 0)
         attention += 4.0 * layers * heads * head_dim * t * (t + 1) / 2
     return {
         "matmul_params": float(body + head),
         "matmul": matmul,
+        "decode_matmul": decode,
         "attention": attention,
         "total": matmul + attention,
     }
