@@ -146,6 +146,10 @@ class BatonConfig:
     # the build has it; "library" = oneDNN's / MKL's packed forms. See
     # kernels/cpu/dense_tiles.py and shared/runtime/linear_layout.py.
     decode_linear: str = "tiles"
+    # The CPU decode engine's fp32 layers as one native call a step (the same kernels and
+    # arguments, bit-identical): no Python between a layer's kernels, where the model's forms
+    # allow it. See shared/runtime/decode_program.py.
+    decode_program: bool = True
     # MKL's kernel choice on AMD x86 CPUs: "features" (by CPU features, as on Intel: AVX-512
     # kernels where the CPU has AVX-512; the process re-executes itself with a small library
     # preloaded; not under a cap on MKL's instructions, as BATON_CPU_ISA below native sets),

@@ -42,6 +42,16 @@ def padded_rows(n: int) -> int:
     return (n + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
 
 
+def linear_parts(m: int, n: int, k: int) -> int:
+    """How many ranges a call of ``m`` rows over an ``n x k`` weight splits into."""
+    return split_parts(padded_rows(n) * k * m, MIN_PART_WORK, torch.get_num_threads())
+
+
+def tile_bias(bias: torch.Tensor, n: int) -> torch.Tensor:
+    """The bias as the kernel reads it: 16 at a time, the last group's padding too."""
+    return F.pad(bias, (0, padded_rows(n) - n)) if n % TILE_ROWS else bias.contiguous()
+
+
 class DenseTileKernels:
     """The C library: regroup into tiles, gather rows back, the fp32 and bf16 linears."""
 
@@ -92,12 +102,10 @@ class DenseTileKernels:
         """``F.linear(x, W, bias)`` of contiguous 2-D ``x`` over the tiles of ``W [n, k]``."""
         m, k = x.shape
         y = torch.empty(m, n, dtype=x.dtype)
-        if bias is not None:  # the kernel reads it 16 at a time, the last group's padding too
-            bias = F.pad(bias, (0, padded_rows(n) - n)) if n % TILE_ROWS else bias.contiguous()
-        parts = split_parts(padded_rows(n) * k * m, MIN_PART_WORK, torch.get_num_threads())
+        bias = None if bias is None else tile_bias(bias, n)
         rc = self._linear[x.dtype](
             x.data_ptr(), m, n, k, tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-            y.data_ptr(), parts,
+            y.data_ptr(), linear_parts(m, n, k),
         )  # fmt: skip
         if rc:
             raise ValueError(f"no {x.dtype} tile kernel for width {k}")

@@ -2,7 +2,7 @@
 
     python3 -m loadtest.engine.step_profile \
         [--model DIR|FILE.gguf] [--dtype float32 bfloat16] [--threads 1 2] \
-        [--weight-format dequantized packed] \
+        [--weight-format dequantized packed] [--decode-program on off] \
         [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile] \
         [--contend 3.4,10]
 
@@ -105,11 +105,13 @@ def contention(
     return times
 
 
-def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) -> None:
+def run(
+    args: argparse.Namespace, dtype: str, threads: int, weight_format: str, program: str
+) -> None:
     torch.set_num_threads(threads)
     config = BatonConfig(
         model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention,
-        weight_format=weight_format,
+        weight_format=weight_format, decode_program=program == "on",
     )  # fmt: skip
     runner = ModelRunner(config, role="decode")  # the forms the decode service keeps
     model_dir = resolve_model(args.model)
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace, dtype: str, threads: int, weight_format: str) 
     # (loader.resolve_dtype), and its floor is fp32's.
     computed = str(runner.dtype).removeprefix("torch.")
     label = f"{dtype} {weight_format}" + (f" (computed in {computed})" if computed != dtype else "")
+    label += f" program {'on' if runner.model.decode_programs is not None else 'off'}"
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -226,6 +229,10 @@ def main() -> None:
         "--weight-format", nargs="+", default=["auto"],
         help="BATON_WEIGHT_FORMAT (a GGUF model): auto, packed, dequantized",
     )  # fmt: skip
+    parser.add_argument(
+        "--decode-program", nargs="+", default=["on"], choices=["on", "off"],
+        help="BATON_DECODE_PROGRAM: the decode step's layers as one native call, or eager",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--context", type=int, default=160)
@@ -243,7 +250,8 @@ def main() -> None:
     for threads in args.threads:
         for dtype in args.dtype:
             for weight_format in args.weight_format:
-                run(args, dtype, threads, weight_format)
+                for program in args.decode_program:
+                    run(args, dtype, threads, weight_format, program)
 
 
 if __name__ == "__main__":

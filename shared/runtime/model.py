@@ -14,6 +14,8 @@ much as the arithmetic.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -200,6 +202,9 @@ class CausalLM(nn.Module):
     embed_packed: QuantWeight | DenseTileWeight | None = None
     # The final RMSNorm through C; see MLP.kernels.
     kernels: LayerKernels | None = None
+    # The decode step's layers as one native call where they take it (decode_program.py; set
+    # by the runner): forward(hidden, cos, sin, kv_cache, meta) -> the layers' output or None.
+    decode_programs: Any = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -230,6 +235,10 @@ class CausalLM(nn.Module):
             hidden = self.embed_packed.rows(input_ids).to(dtype)
         else:
             hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        if self.decode_programs is not None:
+            out = self.decode_programs.forward(hidden, cos, sin, kv_cache, meta)
+            if out is not None:
+                return out
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             hidden = layer.forward(hidden, cos, sin, kv_layer, meta)
         return hidden

