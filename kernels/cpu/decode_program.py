@@ -46,13 +46,15 @@ def address(fn: Any) -> int:
 class Program:
     """Ops appended once (:meth:`add`), then :meth:`run` each step with the step array set."""
 
-    def __init__(self, lib: ctypes.CDLL, step_slots: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, step: ctypes.Array[ctypes.c_int64]) -> None:
+        """``step``: the array the ops' step arguments read (:func:`step_array`; several
+        programs over the same buffers may share one)."""
         self._run = lib.baton_run_program
         self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         self._run.restype = ctypes.c_int64
         self._ops: list[Op] = []
         self._array: ctypes.Array[Op] | None = None
-        self.step = (ctypes.c_int64 * step_slots)()
+        self.step = step
 
     @staticmethod
     def step_arg(i: int) -> int:
@@ -71,12 +73,20 @@ class Program:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def run(self) -> None:
+    def run(self, start: int = 0, end: int | None = None) -> None:
+        """Ops ``start`` to ``end`` (default: all), in order."""
         if self._array is None:
             self._array = (Op * len(self._ops))(*self._ops)
-        rc = self._run(self._array, len(self._ops), self.step)
+        end = len(self._ops) if end is None else end
+        first = ctypes.addressof(self._array) + start * ctypes.sizeof(Op)
+        rc = self._run(first, end - start, self.step)
         if rc:
-            raise ValueError(f"decode program: op {-rc - 1} of {len(self._ops)} refused its inputs")
+            raise ValueError(f"decode program: op {start - rc - 1} of {len(self._ops)} refused "
+                             "its inputs")  # fmt: skip
+
+
+def step_array(slots: int) -> ctypes.Array[ctypes.c_int64]:
+    return (ctypes.c_int64 * slots)()
 
 
 @functools.cache

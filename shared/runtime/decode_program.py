@@ -11,12 +11,15 @@ only writes the RoPE tables', the slot mapping's and the block tables' addresses
 What it records: fp32 models on the CPU whose layers run the decode engine's C forms (fused
 norms and SiLU * up, the C RoPE, projections as fp32 dense tiles or packed GGUF weights on their
 int8 kernel) without sliding windows or q/k norms, over a float KV cache read by the C
-attention kernel. Anything else (and any step whose metadata is not that kernel's: a windowed
-layer, the layer-wise handoff's progress reports) runs the eager forward.
+attention kernel. Anything else (and any step whose metadata is not that kernel's) runs the eager
+forward. Where the engine follows its thread budget between layers (``LayerProgress``: the
+decode service's CPU sharing), a step runs a layer a call, each at the thread count its layer
+starts with (a kernel's split does not change its numbers).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +31,15 @@ from kernels.cpu.layer_ops import parts as op_parts
 from kernels.cpu.quant_linear import QuantWeight
 from kernels.cpu.quant_linear import linear_parts as quant_parts
 from kernels.cpu.rope import MAX_HEAD_DIM, RopeKernel
+from shared.runtime.attention.common import LayerProgress
 from shared.runtime.attention.cpu_kernels import CpuKernelDecodeMetadata
 from shared.runtime.model import CausalLM, DecoderLayer, Projection
 
 # The step array's slots.
 COS, SIN, SLOTS, TABLES, MAX_BLOCKS, LENS, MAX_LEN = range(7)
+STEP_SLOTS = 7
+# norm, qkv, RoPE, KV store, attention, o, add + norm, gate_up, SiLU * up, down, add
+OPS_PER_LAYER = 11
 
 
 def _records(model: CausalLM) -> bool:
@@ -65,20 +72,23 @@ def _linear_kind(p: Projection) -> int:
 
 
 @dataclass
-class _Step:
-    """One batch size's program and the buffers its ops read and write."""
+class _Batch:
+    """One batch size's buffers (every thread count's ops read and write these) and its ops by
+    thread count (each kernel's split is the count's)."""
 
-    program: prog.Program
     hidden: torch.Tensor
-    keep: list[torch.Tensor]  # tensors whose addresses the ops hold (buffers, padded biases)
+    buffers: dict[str, torch.Tensor]
+    keep: list[torch.Tensor]  # tensors whose addresses the ops hold (padded biases)
+    step: ctypes.Array[ctypes.c_int64]
+    programs: dict[int, prog.Program]
 
 
 class DecodePrograms:
-    """The programs of one model and KV cache, by (batch, threads); see the module docstring."""
+    """The programs of one model and KV cache; see the module docstring."""
 
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, lib: object) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, lib: ctypes.CDLL) -> None:
         self.model, self.kv_cache, self.lib = model, kv_cache, lib
-        self._steps: dict[tuple[int, int, float], _Step] = {}
+        self._batches: dict[tuple[int, float], _Batch] = {}
         # Past the packed weights' decode kernel (their small_max_rows) the eager call
         # dequantizes: such batches run the eager forward.
         self.max_batch = min(
@@ -105,7 +115,13 @@ class DecodePrograms:
         meta: object,
     ) -> torch.Tensor | None:
         """The layers' output for the embedded ``hidden`` (the program's buffer, valid until
-        its next step), or None where this step is not one a program runs."""
+        its next step), or None where this step is not one a program runs. Under
+        :class:`LayerProgress` (the engine's thread budget followed between layers) the layers
+        run one call each, each reported stored after it, each at the thread count of its
+        start."""
+        progress = None
+        if type(meta) is LayerProgress:
+            progress, meta = meta, meta.meta
         if type(meta) is not CpuKernelDecodeMetadata or meta.rows.starts is not None:
             return None
         batch = hidden.shape[0]
@@ -118,41 +134,50 @@ class DecodePrograms:
                    for t in (cos, sin))
         ):  # fmt: skip
             return None
-        key = (batch, torch.get_num_threads(), meta.scale)
-        step = self._steps.get(key)
-        if step is None:
-            step = self._steps[key] = self._record(batch, meta)
-        rows, values = meta.rows, step.program.step
+        entry = self._batches.get((batch, meta.scale))
+        if entry is None:
+            entry = self._batches[(batch, meta.scale)] = self._buffers(batch)
+        rows, values = meta.rows, entry.step
         values[COS], values[SIN] = cos.data_ptr(), sin.data_ptr()
         values[SLOTS] = meta.slot_mapping.data_ptr()
-        values[TABLES], values[MAX_BLOCKS] = (
-            rows.block_tables.data_ptr(),
-            rows.block_tables.shape[1],
-        )
+        values[TABLES] = rows.block_tables.data_ptr()
+        values[MAX_BLOCKS] = rows.block_tables.shape[1]
         values[LENS], values[MAX_LEN] = rows.context_lens.data_ptr(), rows.max_context_len
-        step.hidden.copy_(hidden)
-        step.program.run()
-        return step.hidden
+        entry.hidden.copy_(hidden)
+        if progress is None:
+            self._program(entry, meta).run()
+        else:
+            for i in range(len(self.model.layers)):
+                self._program(entry, meta).run(i * OPS_PER_LAYER, (i + 1) * OPS_PER_LAYER)
+                progress.stored()
+        return entry.hidden
 
-    def _record(self, batch: int, meta: CpuKernelDecodeMetadata) -> _Step:
-        model, cache = self.model, self.kv_cache
-        first = model.layers[0]
+    def _buffers(self, batch: int) -> _Batch:
+        first = self.model.layers[0]
         assert isinstance(first, DecoderLayer)
-        a0 = first.self_attn
-        hidden_size = model.config.hidden_size
-        heads, kv_heads, head_dim = a0.num_heads, a0.num_kv_heads, a0.head_dim
-        qkv_n = a0.q_size + 2 * a0.kv_size
+        a, hidden = first.self_attn, self.model.config.hidden_size
         inter = first.mlp.down_proj.in_features
+        widths = {"hidden": hidden, "x": hidden, "qkv": a.q_size + 2 * a.kv_size,
+                  "attn": a.q_size, "o": hidden, "x2": hidden, "gate_up": 2 * inter,
+                  "act": inter, "down": hidden}  # fmt: skip
+        buffers = {name: torch.zeros(batch, cols) for name, cols in widths.items()}
+        return _Batch(buffers["hidden"], buffers, [], prog.step_array(STEP_SLOTS), {})
 
-        def buf(cols: int) -> torch.Tensor:
-            return torch.zeros(batch, cols)
+    def _program(self, entry: _Batch, meta: CpuKernelDecodeMetadata) -> prog.Program:
+        threads = torch.get_num_threads()
+        program = entry.programs.get(threads)
+        if program is None:
+            program = entry.programs[threads] = self._record(entry, meta)
+        return program
 
-        hidden, x, qkv, attn, o, x2 = (
-            buf(n) for n in (hidden_size, hidden_size, qkv_n, a0.q_size, hidden_size, hidden_size)
-        )
-        gate_up, act, down = buf(2 * inter), buf(inter), buf(hidden_size)
-        keep = [hidden, x, qkv, attn, o, x2, gate_up, act, down]
-        program = prog.Program(self.lib, 7)  # type: ignore[arg-type]
+    def _record(self, entry: _Batch, meta: CpuKernelDecodeMetadata) -> prog.Program:
+        """Every layer's OPS_PER_LAYER ops at this thread count, over ``entry``'s buffers."""
+        model, cache, b = self.model, self.kv_cache, entry.buffers
+        hidden, x, qkv, attn = b["hidden"], b["x"], b["qkv"], b["attn"]
+        o, x2, gate_up, act, down = b["o"], b["x2"], b["gate_up"], b["act"], b["down"]
+        batch, hidden_size = hidden.shape
+        qkv_n, inter = qkv.shape[1], act.shape[1]
+        program = prog.Program(self.lib, entry.step)
         step = prog.Program.step_arg
         kernel = meta.kernel
         attend = prog.address(kernel._attend[torch.float32])
@@ -163,36 +188,38 @@ class DecodePrograms:
             assert isinstance(a.rope_kernel, RopeKernel)
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
             k_pool, v_pool = cache[i, 0], cache[i, 1]
+            start = len(program)
             program.add(prog.RMS_NORM, prog.address(k._norm[torch.float32]),
                         [hidden.data_ptr(), batch, hidden_size, hidden_size,
                          n1.weight.data_ptr(), x.data_ptr(), op_parts(batch * hidden_size)],
                         n1.eps)  # fmt: skip
-            self._linear(program, a.qkv_proj, x, qkv, keep)
+            self._linear(program, a.qkv_proj, x, qkv, entry.keep)
             program.add(prog.ROPE, prog.address(a.rope_kernel._rope),
-                        [qkv.data_ptr(), batch, heads + kv_heads, head_dim, qkv_n, step(COS),
-                         step(SIN)])  # fmt: skip
-            k_at = qkv.data_ptr() + a.q_size * 4
-            v_at = k_at + a.kv_size * 4
+                        [qkv.data_ptr(), batch, a.num_heads + a.num_kv_heads, a.head_dim, qkv_n,
+                         step(COS), step(SIN)])  # fmt: skip
+            k_at = qkv.data_ptr() + a.q_size * qkv.element_size()
+            v_at = k_at + a.kv_size * qkv.element_size()
             program.add(prog.STORE_KV, None,
                         [k_at, v_at, qkv_n, a.kv_size, step(SLOTS), batch, k_pool.data_ptr(),
                          v_pool.data_ptr(), num_slots])  # fmt: skip
             program.add(prog.ATTEND, attend,
                         [qkv.data_ptr(), qkv_n, k_pool.data_ptr(), v_pool.data_ptr(),
                          step(TABLES), step(MAX_BLOCKS), step(LENS), 0, batch,
-                         kernel.parts(batch), heads, kv_heads, head_dim, cache.shape[3],
-                         step(MAX_LEN), attn.data_ptr()], meta.scale)  # fmt: skip
-            self._linear(program, a.o_proj, attn, o, keep)
+                         kernel.parts(batch), a.num_heads, a.num_kv_heads, a.head_dim,
+                         cache.shape[3], step(MAX_LEN), attn.data_ptr()], meta.scale)  # fmt: skip
+            self._linear(program, a.o_proj, attn, o, entry.keep)
             program.add(prog.ADD_RMS_NORM, prog.address(k._add_norm[torch.float32]),
                         [hidden.data_ptr(), o.data_ptr(), batch, hidden_size,
                          n2.weight.data_ptr(), x2.data_ptr(), op_parts(batch * hidden_size)],
                         n2.eps)  # fmt: skip
-            self._linear(program, layer.mlp.gate_up_proj, x2, gate_up, keep)
+            self._linear(program, layer.mlp.gate_up_proj, x2, gate_up, entry.keep)
             program.add(prog.SILU_MUL, prog.address(k._silu_mul[torch.float32]),
                         [gate_up.data_ptr(), batch, inter, 2 * inter, act.data_ptr(),
                          op_parts(batch * inter)])  # fmt: skip
-            self._linear(program, layer.mlp.down_proj, act, down, keep)
+            self._linear(program, layer.mlp.down_proj, act, down, entry.keep)
             program.add(prog.ADD, None, [hidden.data_ptr(), down.data_ptr(), batch * hidden_size])
-        return _Step(program, hidden, keep)
+            assert len(program) - start == OPS_PER_LAYER
+        return program
 
     @staticmethod
     def _linear(

@@ -26,6 +26,7 @@ from shared.config import BatonConfig
 from shared.limits import Limits
 from shared.models.catalog import resolve_model
 from shared.runtime.attention import AttentionMetadata, select_backend
+from shared.runtime.attention.common import LayerProgress
 from shared.runtime.decode_program import DecodePrograms
 from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
@@ -443,31 +444,6 @@ class ModelRunner:
             )
             positions = logprobs.prompt.setdefault(seq.request_id, {})
             positions.update(zip(range(first, first + count), entries, strict=True))
-
-
-class LayerProgress:
-    """Attention metadata that reports each layer once its KV is stored: layers call their
-    attention in order, once per forward, so the n-th call has stored the first n layers."""
-
-    def __init__(self, meta: AttentionMetadata, on_layer: Callable[[int], None]) -> None:
-        self.meta, self.on_layer, self.layers = meta, on_layer, 0
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.meta.slot_mapping
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        out = self.meta.forward(q, k, v, kv_layer, window)
-        self.layers += 1
-        self.on_layer(self.layers)
-        return out
 
 
 def release_freed_memory() -> None:

@@ -111,6 +111,29 @@ def test_forms_it_does_not_record_run_eagerly(arch: str, overrides: dict[str, ob
     assert _decode_logits(runner, 2, 2, program=True)  # and the eager forward serves
 
 
+def test_layer_by_layer_under_a_thread_budget() -> None:
+    """The decode service follows its CPU share between layers: the program runs a layer a
+    call, reports each stored in order, takes the thread count each layer starts with, and its
+    logits are still the eager forward's."""
+    reports: list[int] = []
+
+    def between(layers: int) -> None:
+        reports.append(layers)
+        torch.set_num_threads(1 + layers % 2)  # the budget moving under the step
+
+    config = BatonConfig(model=str(tiny_model_dir("llama")), num_kv_blocks=64)
+    with torch_threads(2):
+        runner = ModelRunner(config, role="decode", between_layers=between)
+        if runner.model.decode_programs is None:
+            pytest.skip("this build has no fp32 tile kernel (the eager forward serves)")
+        with_program = _decode_logits(runner, 3, 2, program=True)
+        num_layers = runner.model_config.num_layers
+        assert reports[-2 * num_layers :] == list(range(1, num_layers + 1)) * 2
+        eager = _decode_logits(runner, 3, 2, program=False)
+    for a, b in zip(with_program, eager, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_slot_outside_the_cache_is_refused_before_it_is_written() -> None:
     runner = _decode_runner(tiny_model_dir("llama"))
     programs = runner.model.decode_programs

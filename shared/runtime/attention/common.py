@@ -3,6 +3,7 @@ layer calls, the KV store in torch, block gathering and block-table tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -34,6 +35,36 @@ class StoreThenAttend:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                window: int | None) -> torch.Tensor:  # fmt: skip
         raise NotImplementedError
+
+
+class LayerProgress:
+    """Attention metadata that reports each layer once its KV is stored: layers call their
+    attention in order, once per forward, so the n-th call has stored the first n layers."""
+
+    def __init__(self, meta: AttentionMetadata, on_layer: Callable[[int], None]) -> None:
+        self.meta, self.on_layer, self.layers = meta, on_layer, 0
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.meta.slot_mapping
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        out = self.meta.forward(q, k, v, kv_layer, window)
+        self.stored()
+        return out
+
+    def stored(self) -> None:
+        """One more layer's KV is in the cache (a forward that stores it another way, as the
+        decode program does, says so here)."""
+        self.layers += 1
+        self.on_layer(self.layers)
 
 
 def attention(
