@@ -53,7 +53,7 @@ class Program:
         self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         self._run.restype = ctypes.c_int64
         self._ops: list[Op] = []
-        self._array: ctypes.Array[Op] | None = None
+        self._array: ctypes.Array[Op] | None = None  # the ops, once run (the list is dropped)
         self.step = step
 
     @staticmethod
@@ -62,27 +62,29 @@ class Program:
         return STEP_ARG | i
 
     def add(self, kind: int, fn: int | None, args: list[int], f: float = 0.0) -> None:
+        if self._array is not None:
+            raise RuntimeError("a program that has run takes no more ops")
         if len(args) > MAX_ARGS:
             raise ValueError(f"an op takes {MAX_ARGS} arguments at most")
         op = Op(kind, fn, f)
         for i, value in enumerate(args):
             op.a[i] = value
         self._ops.append(op)
-        self._array = None
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return len(self._ops) if self._array is None else len(self._array)
 
     def run(self, start: int = 0, end: int | None = None) -> None:
         """Ops ``start`` to ``end`` (default: all), in order."""
-        if self._array is None:
+        if self._array is None:  # one C array (~170 bytes an op), not an object an op
             self._array = (Op * len(self._ops))(*self._ops)
-        end = len(self._ops) if end is None else end
+            self._ops = []
+        n = len(self._array)
+        end = n if end is None else end
         first = ctypes.addressof(self._array) + start * ctypes.sizeof(Op)
         rc = self._run(first, end - start, self.step)
         if rc:
-            raise ValueError(f"decode program: op {start - rc - 1} of {len(self._ops)} refused "
-                             "its inputs")  # fmt: skip
+            raise ValueError(f"decode program: op {start - rc - 1} of {n} refused its inputs")
 
 
 def step_array(slots: int) -> ctypes.Array[ctypes.c_int64]:

@@ -20,7 +20,7 @@ starts with (a kernel's split does not change its numbers).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from collections import OrderedDict
 
 import torch
 
@@ -71,24 +71,40 @@ def _linear_kind(p: Projection) -> int:
     return 0
 
 
-@dataclass
-class _Batch:
-    """One batch size's buffers (every thread count's ops read and write these) and its ops by
-    thread count (each kernel's split is the count's)."""
+class _Buffers:
+    """The activations every program reads and writes, ``capacity`` rows each: a batch of B
+    rows uses the first B (a row's stride is its width whatever the capacity)."""
 
-    hidden: torch.Tensor
-    buffers: dict[str, torch.Tensor]
-    keep: list[torch.Tensor]  # tensors whose addresses the ops hold (padded biases)
-    step: ctypes.Array[ctypes.c_int64]
-    programs: dict[int, prog.Program]
+    def __init__(self, model: CausalLM, capacity: int) -> None:
+        first = model.layers[0]
+        assert isinstance(first, DecoderLayer)
+        a, hidden = first.self_attn, model.config.hidden_size
+        inter = first.mlp.down_proj.in_features
+        widths = {"hidden": hidden, "x": hidden, "qkv": a.q_size + 2 * a.kv_size,
+                  "attn": a.q_size, "o": hidden, "x2": hidden, "gate_up": 2 * inter,
+                  "act": inter, "down": hidden}  # fmt: skip
+        self.capacity = capacity
+        self.full = {name: torch.zeros(capacity, cols) for name, cols in widths.items()}
+
+    def rows(self, batch: int) -> dict[str, torch.Tensor]:
+        return {name: t[:batch] for name, t in self.full.items()}
 
 
 class DecodePrograms:
     """The programs of one model and KV cache; see the module docstring."""
 
+    # Programs kept (by batch, thread count and scale), the least recently run dropped first:
+    # a serving engine meets many batch sizes, and each program holds ~170 bytes an op
+    # (11 a layer).
+    MAX_PROGRAMS = 64
+
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, lib: ctypes.CDLL) -> None:
         self.model, self.kv_cache, self.lib = model, kv_cache, lib
-        self._batches: dict[tuple[int, float], _Batch] = {}
+        self._buffers: _Buffers | None = None
+        self._programs: OrderedDict[tuple[int, int, float], prog.Program] = OrderedDict()
+        # Each biased projection's bias as its kernel reads it (ops hold the address).
+        self._biases: dict[int, torch.Tensor] = {}
+        self.step = prog.step_array(STEP_SLOTS)
         # Past the packed weights' decode kernel (their small_max_rows) the eager call
         # dequantizes: such batches run the eager forward.
         self.max_batch = min(
@@ -114,8 +130,8 @@ class DecodePrograms:
         kv_cache: torch.Tensor,
         meta: object,
     ) -> torch.Tensor | None:
-        """The layers' output for the embedded ``hidden`` (the program's buffer, valid until
-        its next step), or None where this step is not one a program runs. Under
+        """The layers' output for the embedded ``hidden`` (the programs' buffer, valid until
+        their next step), or None where this step is not one a program runs. Under
         :class:`LayerProgress` (the engine's thread budget followed between layers) the layers
         run one call each, each reported stored after it, each at the thread count of its
         start."""
@@ -134,50 +150,47 @@ class DecodePrograms:
                    for t in (cos, sin))
         ):  # fmt: skip
             return None
-        entry = self._batches.get((batch, meta.scale))
-        if entry is None:
-            entry = self._batches[(batch, meta.scale)] = self._buffers(batch)
-        rows, values = meta.rows, entry.step
+        if self._buffers is None or self._buffers.capacity < batch:
+            # New addresses: every program is recorded again over the larger buffers.
+            capacity = 1 << (batch - 1).bit_length()
+            self._buffers = _Buffers(self.model, capacity)
+            self._programs.clear()
+        rows, values = meta.rows, self.step
         values[COS], values[SIN] = cos.data_ptr(), sin.data_ptr()
         values[SLOTS] = meta.slot_mapping.data_ptr()
         values[TABLES] = rows.block_tables.data_ptr()
         values[MAX_BLOCKS] = rows.block_tables.shape[1]
         values[LENS], values[MAX_LEN] = rows.context_lens.data_ptr(), rows.max_context_len
-        entry.hidden.copy_(hidden)
+        out = self._buffers.full["hidden"][:batch]
+        out.copy_(hidden)
         if progress is None:
-            self._program(entry, meta).run()
+            self._program(batch, meta).run()
         else:
             for i in range(len(self.model.layers)):
-                self._program(entry, meta).run(i * OPS_PER_LAYER, (i + 1) * OPS_PER_LAYER)
+                self._program(batch, meta).run(i * OPS_PER_LAYER, (i + 1) * OPS_PER_LAYER)
                 progress.stored()
-        return entry.hidden
+        return out
 
-    def _buffers(self, batch: int) -> _Batch:
-        first = self.model.layers[0]
-        assert isinstance(first, DecoderLayer)
-        a, hidden = first.self_attn, self.model.config.hidden_size
-        inter = first.mlp.down_proj.in_features
-        widths = {"hidden": hidden, "x": hidden, "qkv": a.q_size + 2 * a.kv_size,
-                  "attn": a.q_size, "o": hidden, "x2": hidden, "gate_up": 2 * inter,
-                  "act": inter, "down": hidden}  # fmt: skip
-        buffers = {name: torch.zeros(batch, cols) for name, cols in widths.items()}
-        return _Batch(buffers["hidden"], buffers, [], prog.step_array(STEP_SLOTS), {})
-
-    def _program(self, entry: _Batch, meta: CpuKernelDecodeMetadata) -> prog.Program:
-        threads = torch.get_num_threads()
-        program = entry.programs.get(threads)
+    def _program(self, batch: int, meta: CpuKernelDecodeMetadata) -> prog.Program:
+        key = (batch, torch.get_num_threads(), meta.scale)
+        program = self._programs.get(key)
         if program is None:
-            program = entry.programs[threads] = self._record(entry, meta)
+            program = self._programs[key] = self._record(batch, meta)
+            if len(self._programs) > self.MAX_PROGRAMS:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
         return program
 
-    def _record(self, entry: _Batch, meta: CpuKernelDecodeMetadata) -> prog.Program:
-        """Every layer's OPS_PER_LAYER ops at this thread count, over ``entry``'s buffers."""
-        model, cache, b = self.model, self.kv_cache, entry.buffers
+    def _record(self, batch: int, meta: CpuKernelDecodeMetadata) -> prog.Program:
+        """Every layer's OPS_PER_LAYER ops for ``batch`` rows at this thread count."""
+        assert self._buffers is not None
+        model, cache, b = self.model, self.kv_cache, self._buffers.rows(batch)
         hidden, x, qkv, attn = b["hidden"], b["x"], b["qkv"], b["attn"]
         o, x2, gate_up, act, down = b["o"], b["x2"], b["gate_up"], b["act"], b["down"]
-        batch, hidden_size = hidden.shape
+        hidden_size = hidden.shape[1]
         qkv_n, inter = qkv.shape[1], act.shape[1]
-        program = prog.Program(self.lib, entry.step)
+        program = prog.Program(self.lib, self.step)
         step = prog.Program.step_arg
         kernel = meta.kernel
         attend = prog.address(kernel._attend[torch.float32])
@@ -193,7 +206,7 @@ class DecodePrograms:
                         [hidden.data_ptr(), batch, hidden_size, hidden_size,
                          n1.weight.data_ptr(), x.data_ptr(), op_parts(batch * hidden_size)],
                         n1.eps)  # fmt: skip
-            self._linear(program, a.qkv_proj, x, qkv, entry.keep)
+            self._linear(program, a.qkv_proj, x, qkv)
             program.add(prog.ROPE, prog.address(a.rope_kernel._rope),
                         [qkv.data_ptr(), batch, a.num_heads + a.num_kv_heads, a.head_dim, qkv_n,
                          step(COS), step(SIN)])  # fmt: skip
@@ -207,35 +220,35 @@ class DecodePrograms:
                          step(TABLES), step(MAX_BLOCKS), step(LENS), 0, batch,
                          kernel.parts(batch), a.num_heads, a.num_kv_heads, a.head_dim,
                          cache.shape[3], step(MAX_LEN), attn.data_ptr()], meta.scale)  # fmt: skip
-            self._linear(program, a.o_proj, attn, o, entry.keep)
+            self._linear(program, a.o_proj, attn, o)
             program.add(prog.ADD_RMS_NORM, prog.address(k._add_norm[torch.float32]),
                         [hidden.data_ptr(), o.data_ptr(), batch, hidden_size,
                          n2.weight.data_ptr(), x2.data_ptr(), op_parts(batch * hidden_size)],
                         n2.eps)  # fmt: skip
-            self._linear(program, layer.mlp.gate_up_proj, x2, gate_up, entry.keep)
+            self._linear(program, layer.mlp.gate_up_proj, x2, gate_up)
             program.add(prog.SILU_MUL, prog.address(k._silu_mul[torch.float32]),
                         [gate_up.data_ptr(), batch, inter, 2 * inter, act.data_ptr(),
                          op_parts(batch * inter)])  # fmt: skip
-            self._linear(program, layer.mlp.down_proj, act, down, entry.keep)
+            self._linear(program, layer.mlp.down_proj, act, down)
             program.add(prog.ADD, None, [hidden.data_ptr(), down.data_ptr(), batch * hidden_size])
             assert len(program) - start == OPS_PER_LAYER
         return program
 
-    @staticmethod
     def _linear(
-        program: prog.Program, p: Projection, x: torch.Tensor, y: torch.Tensor,
-        keep: list[torch.Tensor],
-    ) -> None:  # fmt: skip
+        self, program: prog.Program, p: Projection, x: torch.Tensor, y: torch.Tensor
+    ) -> None:
         """``y = p.project(x)`` as the eager call runs it (the same kernel, split and bias)."""
         m, k = x.shape
         n = y.shape[1]
         w = p.packed
         bias = 0
+        if p.bias is not None:
+            kept = self._biases.get(id(p))
+            if kept is None:
+                dense = isinstance(w, DenseTileWeight)
+                kept = self._biases[id(p)] = tile_bias(p.bias, n) if dense else p.bias.contiguous()
+            bias = kept.data_ptr()
         if isinstance(w, DenseTileWeight):
-            if p.bias is not None:
-                padded = tile_bias(p.bias, n)
-                keep.append(padded)
-                bias = padded.data_ptr()
             program.add(prog.DENSE_LINEAR, prog.address(w.kernels._linear[torch.float32]),
                         [x.data_ptr(), m, n, k, w.tiles.data_ptr(), bias, y.data_ptr(),
                          linear_parts(m, n, k)])  # fmt: skip
@@ -243,10 +256,6 @@ class DecodePrograms:
         assert isinstance(w, QuantWeight) and w.kernels is not None
         if not 0 < m <= w.small_max_rows:
             raise ValueError(f"{m} rows: past the packed weight's decode kernel")
-        if p.bias is not None:
-            b = p.bias.contiguous()
-            keep.append(b)
-            bias = b.data_ptr()
         fn = w.kernels._tiles_linear if w.tiled else w.kernels._linear
         program.add(prog.QUANT_LINEAR, prog.address(fn),
                     [w._raw_ptr, w._qtype, n, k, x.data_ptr(), m, k, bias, y.data_ptr(),

@@ -111,6 +111,21 @@ def test_forms_it_does_not_record_run_eagerly(arch: str, overrides: dict[str, ob
     assert _decode_logits(runner, 2, 2, program=True)  # and the eager forward serves
 
 
+def test_programs_share_buffers_and_are_kept_to_a_bound() -> None:
+    """Batches of 1, 3, 2 and 3 again: one set of buffers, grown to the largest batch (a
+    program recorded again over them), and no more programs kept than the bound; the logits
+    stay the eager forward's."""
+    with torch_threads(2):
+        runner = _decode_runner(tiny_model_dir("llama"))
+        programs = runner.model.decode_programs
+        if programs is None:
+            pytest.skip("this build has no fp32 tile kernel (the eager forward serves)")
+        programs.MAX_PROGRAMS = 2
+        _assert_program_is_eager(runner, (1, 3, 2, 3))
+        assert len(programs._programs) <= 2
+        assert programs._buffers is not None and programs._buffers.capacity == 4
+
+
 def test_layer_by_layer_under_a_thread_budget() -> None:
     """The decode service follows its CPU share between layers: the program runs a layer a
     call, reports each stored in order, takes the thread count each layer starts with, and its
