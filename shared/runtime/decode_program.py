@@ -240,20 +240,21 @@ class DecodePrograms:
         """``y = p.project(x)`` as the eager call runs it (the same kernel, split and bias)."""
         m, k = x.shape
         n = y.shape[1]
-        w = p.packed
+        w, kind = p.packed, _linear_kind(p)
         bias = 0
         if p.bias is not None:
             kept = self._biases.get(id(p))
             if kept is None:
-                dense = isinstance(w, DenseTileWeight)
+                dense = kind == prog.DENSE_LINEAR
                 kept = self._biases[id(p)] = tile_bias(p.bias, n) if dense else p.bias.contiguous()
             bias = kept.data_ptr()
-        if isinstance(w, DenseTileWeight):
+        if kind == prog.DENSE_LINEAR:
+            assert isinstance(w, DenseTileWeight)
             program.add(prog.DENSE_LINEAR, prog.address(w.kernels._linear[torch.float32]),
                         [x.data_ptr(), m, n, k, w.tiles.data_ptr(), bias, y.data_ptr(),
                          linear_parts(m, n, k)])  # fmt: skip
             return
-        assert isinstance(w, QuantWeight) and w.kernels is not None
+        assert kind == prog.QUANT_LINEAR and isinstance(w, QuantWeight) and w.kernels is not None
         if not 0 < m <= w.small_max_rows:
             raise ValueError(f"{m} rows: past the packed weight's decode kernel")
         fn = w.kernels._tiles_linear if w.tiled else w.kernels._linear

@@ -17,8 +17,12 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -31,7 +35,7 @@ _STRING, _ARRAY = 8, 9
 class GgufTensor:
     path: Path
     name: str
-    tensor_type: object  # gguf.GGMLQuantizationType
+    tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order: the fastest dimension first
     offset: int  # from the start of the file
     nbytes: int

@@ -88,7 +88,7 @@ def decode_weight_bytes(path: Path, dtype: torch.dtype, packed: bool) -> tuple[i
     for t in index:
         if len(t.shape) != 2 or (t.name == "token_embd.weight" and not tied):
             continue  # norms and biases (negligible); an untied embedding (B rows a step)
-        if stays_packed(getattr(t.tensor_type, "name", ""), 2, packed):
+        if stays_packed(t.tensor_type.name, 2, packed):
             total, any_packed = total + t.nbytes, True
         else:
             total += t.shape[0] * t.shape[1] * elem

@@ -14,7 +14,7 @@ much as the arithmetic.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from kernels.cpu.quant_linear import QuantWeight
 from kernels.cpu.rope import RopeKernel
 from shared.runtime.attention import AttentionMetadata, attention
 from shared.runtime.model_config import ModelConfig
+
+if TYPE_CHECKING:  # it reads this module's classes
+    from shared.runtime.decode_program import DecodePrograms
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,8 +206,8 @@ class CausalLM(nn.Module):
     # The final RMSNorm through C; see MLP.kernels.
     kernels: LayerKernels | None = None
     # The decode step's layers as one native call where they take it (decode_program.py; set
-    # by the runner): forward(hidden, cos, sin, kv_cache, meta) -> the layers' output or None.
-    decode_programs: Any = None
+    # by the runner); a step it does not take runs the layers below.
+    decode_programs: DecodePrograms | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
