@@ -14,7 +14,7 @@ much as the arithmetic.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,6 @@ from kernels.cpu.quant_linear import QuantWeight
 from kernels.cpu.rope import RopeKernel
 from shared.runtime.attention import AttentionMetadata, attention
 from shared.runtime.model_config import ModelConfig
-
-if TYPE_CHECKING:  # it reads this module's classes
-    from shared.runtime.decode_program import DecodePrograms
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -198,6 +195,21 @@ class DecoderLayer(nn.Module):
         return hidden
 
 
+class DecodeLayers(Protocol):
+    """What runs a step's layers in place of the loop in :meth:`CausalLM.forward` (decode
+    programs, shared/runtime/decode_program.py): their output, or None where it does not take
+    the step."""
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: object,
+    ) -> torch.Tensor | None: ...
+
+
 class CausalLM(nn.Module):
     inv_freq: torch.Tensor  # fp32 RoPE frequencies (a non-persistent buffer)
     # A quantized embedding (GGUF), or a tied head's dense tiles in the decode engine: rows are
@@ -207,7 +219,7 @@ class CausalLM(nn.Module):
     kernels: LayerKernels | None = None
     # The decode step's layers as one native call where they take it (decode_program.py; set
     # by the runner); a step it does not take runs the layers below.
-    decode_programs: DecodePrograms | None = None
+    decode_programs: DecodeLayers | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
