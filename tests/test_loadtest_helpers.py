@@ -151,6 +151,8 @@ def test_workload_flops_by_hand() -> None:
     assert f["total"] == f["matmul"] + f["attention"]
     # one decode step (the second output token): the layers and the head once
     assert f["decode_matmul"] == 2 * (1152 + 80) * 1
+    # the prompt through the layers (its first token's head is prefill's, not counted here)
+    assert f["prefill_body_matmul"] == 2 * 1152 * 3
 
 
 def test_read_vocab(tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ def test_prefill_flops_toy() -> None:
     f = roofline.prefill_flops(roofline.Shape.of(TOY), [3, 5])
     assert f["tokens"] == 8
     assert f["matmul"] == 2 * 1152 * 8 + 2 * 80 * 2 == 18_752
+    assert f["body_matmul"] == 2 * 1152 * 8
     # 4*2*2*4 = 64 FLOPs per (query, key) pair; causal pairs 3*4/2 + 5*6/2 = 21.
     assert f["attention"] == 64 * 21 == 1344
     assert f["total"] == 20_096
@@ -98,7 +99,7 @@ def test_roofline_rows_from_the_profile_and_from_the_client() -> None:
 
 def test_packed_weights_floor_their_decode_step_at_their_bytes_and_arithmetic() -> None:
     """A packed GGUF run: the decode step reads the packed bytes and computes at the decode
-    arithmetic's peak (int8); prefill keeps the dtype's GEMM peak."""
+    arithmetic's peak (int8); prefill keeps the dtype's GEMM peak unless it runs int8 too."""
     probes = {"bandwidth_gbs": 10.0, "gemm_gflops": 100.0, "gemm_shape": [2048, 8, 16],
               "threads": 2, "probe_s": 1.0, "decode_arith": "int8",
               "decode_gemm_gflops": 400.0}  # fmt: skip
@@ -110,6 +111,15 @@ def test_packed_weights_floor_their_decode_step_at_their_bytes_and_arithmetic() 
     assert step["compute_s"] == pytest.approx(step["flops"] / 400e9)
     assert r["prefill"]["floor_s"] == pytest.approx(20_096 / 100e9)
     assert "int8" in roofline.format_roofline(r)
+    # A prefill engine on the tiled kernels: the layers' matmuls at their arithmetic's peak
+    # (int16: two int8 passes), the head and attention at the dtype's.
+    body = 2 * 1152 * 8
+    for arith, passes in (("int8", 1), ("int16", 2)):
+        r = roofline.roofline(TOY, "float32", probes, prompts, outputs, _summary(0.1, 0.3), None,
+                              weight_bytes=123,
+                              prefill_body_gflops=roofline.packed_gflops(arith, 400.0))  # fmt: skip
+        want = (20_096 - body) / 100e9 + body * passes / 400e9
+        assert r["prefill"]["floor_s"] == pytest.approx(want)
 
 
 def test_the_int8_probe_runs() -> None:

@@ -13,6 +13,13 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
   the build has their kernel (AVX-512 VNNI or AVX2): a vector's lane is then a weight row, so
   the fp32 work per block is paid once per sixteen (AVX2: eight) rows, not per four (two); the
   same rounding of x, the same bound.
+- ``small_mode`` "int16", on a tiled weight only: x in two bytes a value per block of 32 (a
+  high byte, the int8 kernel's rounding, and a low byte for what it left), two integer dots a
+  (weight block, x block) pair combined exactly in int32: the int8 kernel's float work, twice
+  its integer work, an error 1/256 of its (~4e-5 of the outputs' norm). About half the int8
+  kernel's speed and twice SGEMM's at a prompt's rows: the prefill engine's form
+  (shared/runtime/linear_layout.py, ``packed_form``). An untiled weight takes dequantize +
+  SGEMM instead.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly
@@ -25,7 +32,9 @@ Without a C compiler every call is ``F.linear(x, quant_formats.dequantize(W), b)
 The int8 kernel keeps pace with SGEMM per row from a few rows on, so dequantizing the whole
 weight pays only once its cost spreads over many rows: INT8_MAX_ROWS = 128 is where the two
 paths meet, and the exact path runs above it (``python -m loadtest.engine.quant_linear_bench``; the
-tables: docs/perf-log.md, "Quantized linear kernels").
+tables: docs/perf-log.md, "Quantized linear kernels"). That is the row layout's limit: the tiled
+kernel stays ahead of SGEMM at every row count, and the engines that tile a weight lift it
+(shared/runtime/linear_layout.py, ``packed_form``).
 
 The fp32 kernel (``small_mode="f32"``, a constructor keyword and attribute; "int8" is the
 default): each weight block is dequantized in registers (bit-equal to the reference) and
@@ -70,7 +79,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopen
 # Rows up to which the int8 kernel runs; above it dequantize + SGEMM (the module docstring).
 INT8_MAX_ROWS = 128
 # The small-M kernels: "f32" (dequantize in registers, fp32 FMA) or "int8" (x rounded to int8).
-SMALL_MODES = ("f32", "int8")
+SMALL_MODES = ("f32", "int8", "int16")
 SMALL_MODE = "int8"  # the fp32 kernel is about half its speed (the module docstring)
 # Rows up to which the fp32 kernel runs by default: it beats dequantize + SGEMM at 16 rows, loses
 # at 64 (the module docstring).
@@ -146,8 +155,9 @@ class QuantKernels:
 
     def _attach_tiles(self, lib: ctypes.CDLL) -> None:
         self._tiles_linear = lib.baton_quant_tiles_linear
-        self._tiles_linear.argtypes = self._linear.argtypes
-        self._tiles_linear.restype = ctypes.c_int
+        self._tiles_linear_wide = lib.baton_quant_tiles_linear_wide
+        for fn in (self._tiles_linear, self._tiles_linear_wide):
+            fn.argtypes, fn.restype = self._linear.argtypes, ctypes.c_int
         self._tiles_pack = lib.baton_quant_tiles_pack
         self._tiles_pack.argtypes = [_P, _I, _I, _I, _P]
         self._tiles_unpack = lib.baton_quant_tiles_unpack
@@ -186,10 +196,13 @@ class QuantKernels:
         k: int,
         x: torch.Tensor,
         bias: torch.Tensor | None,
+        wide: bool = False,
     ) -> torch.Tensor:
         """As :meth:`linear` over the :meth:`pack_tiles` form of an ``n``-row weight (the same
-        rounding of x; the fp32 sums in another order)."""
-        return self._run(self._tiles_linear, tiles.data_ptr(), int(qtype), n, k, x, bias)
+        rounding of x; the fp32 sums in another order); ``wide``: x in two bytes a value
+        (small_mode "int16")."""
+        fn = self._tiles_linear_wide if wide else self._tiles_linear
+        return self._run(fn, tiles.data_ptr(), int(qtype), n, k, x, bias)
 
     def _run(
         self,
@@ -458,6 +471,8 @@ class QuantWeight:
         """The C linear of calls up to small_max_rows rows; None: dequantize + SGEMM."""
         if self.small_mode == "f32":
             return None if self.tiled else kernels._linear_f32
+        if self.small_mode == "int16":
+            return kernels._tiles_linear_wide if self.tiled else None
         return kernels._tiles_linear if self.tiled else kernels._linear
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -107,10 +107,31 @@ def decode_floor(
 def prefill_flops(shape: Shape, prompt_lens: Sequence[int]) -> dict[str, float]:
     """FLOPs of prefilling the prompts (causal attention; the LM head once per prompt)."""
     tokens = sum(prompt_lens)
-    matmul = 2.0 * shape.body_params * tokens + 2.0 * shape.head_params * len(prompt_lens)
+    body = 2.0 * shape.body_params * tokens
+    matmul = body + 2.0 * shape.head_params * len(prompt_lens)
     attention = sum(shape.attention_flops(n, (n + 1) / 2) for n in prompt_lens)
-    return {"tokens": float(tokens), "matmul": matmul, "attention": attention,
-            "total": matmul + attention}  # fmt: skip
+    return {"tokens": float(tokens), "matmul": matmul, "body_matmul": body,
+            "attention": attention, "total": matmul + attention}  # fmt: skip
+
+
+# int8 dot products a packed projection does per product, by its arithmetic: "int16"
+# (activations in two bytes, kernels/cpu/quant_linear.py) does two of the int8 kernel's.
+INT8_PASSES = {"int8": 1, "int16": 2}
+
+
+def packed_gflops(arith: str, int8_gflops: float) -> float:
+    """The peak of a packed projection's ``arith`` ("int8" or "int16"), from the int8 GEMM's."""
+    return int8_gflops / INT8_PASSES[arith]
+
+
+def prefill_floor_s(
+    flops: Mapping[str, float], peak_gflops: float, body_gflops: float | None = None
+) -> float:
+    """A prefill's compute floor (:func:`prefill_flops`): the layers' matmuls at
+    ``body_gflops`` where they run other arithmetic than the rest (packed GGUF weights on the
+    integer kernels; the head stays exact), the rest at ``peak_gflops``."""
+    body, rest = flops["body_matmul"], flops["total"] - flops["body_matmul"]
+    return rest / (peak_gflops * 1e9) + body / ((body_gflops or peak_gflops) * 1e9)
 
 
 # --- probes --------------------------------------------------------------------------------------
@@ -211,9 +232,12 @@ def roofline(
     summary: Mapping[str, Any],
     profile: Mapping[str, Any] | None,
     weight_bytes: float | None = None,
+    prefill_body_gflops: float | None = None,
 ) -> dict[str, Any]:
     """The decode-step and prefill rows of an all-at-once run (JSON-ready). ``weight_bytes``:
-    what a decode step reads of the weights where not ``dtype``'s (packed GGUF)."""
+    what a decode step reads of the weights where not ``dtype``'s (packed GGUF);
+    ``prefill_body_gflops``: the peak of the prefill layers' arithmetic where not ``dtype``'s
+    (:func:`packed_gflops`)."""
     shape = Shape.of(cfg)
     bw, peak = float(probes["bandwidth_gbs"]), float(probes["gemm_gflops"])
     decode_peak = float(probes.get("decode_gemm_gflops", peak))
@@ -222,7 +246,7 @@ def roofline(
     context = sum(p + o / 2 for p, o in zip(prompt_lens, output_lens, strict=True)) / batch
     step = decode_floor(shape, dtype, batch, context, bw, decode_peak, weight_bytes)
     pre = prefill_flops(shape, prompt_lens)
-    pre_floor = pre["total"] / (peak * 1e9)
+    pre_floor = prefill_floor_s(pre, peak, prefill_body_gflops)
 
     stages = {r["stage"]: r for r in (profile or {}).get("stages", [])}
     dec, pf = stages.get("decode forward (+sampling)"), stages.get("prefill forward (+sampling)")

