@@ -22,9 +22,8 @@ MAX_ARGS = 18
 STEP_ARG = 1 << 62
 
 # op kinds (the C enum)
-RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, DENSE_LINEAR, QUANT_LINEAR, ATTEND, STORE_KV, ADD = range(
-    1, 10
-)
+(RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, DENSE_LINEAR, QUANT_LINEAR, ATTEND, STORE_KV, ADD,
+ ROPE_PARTS, TO_F32, TO_BF16, ADD_BF16) = range(1, 14)  # fmt: skip
 
 
 class Op(ctypes.Structure):
@@ -55,6 +54,9 @@ class Program:
         self._ops: list[Op] = []
         self._array: ctypes.Array[Op] | None = None  # the ops, once run (the list is dropped)
         self.step = step
+        # Where the recorder's parts begin (a decode step's layers), and the end: a caller may
+        # run one part a call (run(layers[i], layers[i + 1])).
+        self.layers: list[int] = []
 
     @staticmethod
     def step_arg(i: int) -> int:

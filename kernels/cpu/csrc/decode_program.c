@@ -7,9 +7,10 @@
  * ctypes conversion) cost about as much as the smaller ones: ~3 ms of an 8 ms step at batch 1
  * (docs/perf-log.md, "A decode step as one call"). Here the same entry points are called with
  * the same arguments the eager path gives them, so a step's numbers are the eager path's, bit
- * for bit: the kernels are the other libraries' (their addresses are in the ops), and the two
- * steps done here are a row copy (the KV store) and an fp32 add (the residual), as torch does
- * them.
+ * for bit: the kernels are the other libraries' (their addresses are in the ops), and the steps
+ * done here are a row copy (the KV store), the residual add (fp32, or bf16 rounded as torch
+ * rounds it) and the bf16 <-> fp32 conversions around the kernels that take fp32 (torch's
+ * rounding: to nearest, ties to even), as torch does them.
  *
  * An argument slot holds a value, or STEP_ARG | i: the step array's element i. */
 #include <stdint.h>
@@ -30,8 +31,13 @@ enum {
                          max_blocks, lens, starts, batch, parts, heads, kv_heads, head_dim,
                          block_size, scale, max_len, out) */
     OP_STORE_KV,      /* here: (k_src, v_src, src_stride, row, slots, rows, k_pool, v_pool,
-                         num_slots) in fp32 elements */
+                         num_slots, element_bytes) in elements */
     OP_ADD,           /* here: (h, delta, n): h += delta in fp32 */
+    OP_ROPE_PARTS,    /* layer_ops.c bf16 rope (x, tokens, heads, head_dim, stride, cos, sin,
+                         parts) */
+    OP_TO_F32,        /* here: (src bf16, src_stride, rows, cols, dst fp32, dst_stride) */
+    OP_TO_BF16,       /* here: (src fp32, src_stride, rows, cols, dst bf16, dst_stride) */
+    OP_ADD_BF16,      /* here: (h, delta, n): h = bf16(h + delta), as torch adds bf16 */
 };
 
 struct op {
@@ -52,6 +58,8 @@ typedef int (*dense_fn)(const float *, int64_t, int64_t, int64_t, const float *,
                         float *, int64_t);
 typedef int (*quant_fn)(const uint8_t *, int64_t, int64_t, int64_t, const float *, int64_t,
                         int64_t, const float *, float *, int64_t);
+typedef void (*rope_parts_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *,
+                              const void *, int64_t);
 typedef void (*attend_fn)(const float *, int64_t, const float *, const float *, const int64_t *,
                           int64_t, const int64_t *, const int64_t *, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, float, int64_t, float *);
@@ -65,19 +73,58 @@ static inline int64_t arg(const struct op *o, int i, const int64_t *step)
 /* Rows of K and V into their slots; -1 (nothing stored) where a slot is outside the pools. */
 static int store_kv(const struct op *o, const int64_t *step)
 {
-    const float *k = (const float *)(intptr_t)arg(o, 0, step);
-    const float *v = (const float *)(intptr_t)arg(o, 1, step);
-    const int64_t stride = arg(o, 2, step), row = arg(o, 3, step);
+    const int64_t es = arg(o, 9, step); /* bytes an element */
+    const char *k = (const char *)(intptr_t)arg(o, 0, step);
+    const char *v = (const char *)(intptr_t)arg(o, 1, step);
+    const int64_t stride = arg(o, 2, step) * es, row = arg(o, 3, step) * es;
     const int64_t *slots = (const int64_t *)(intptr_t)arg(o, 4, step);
     const int64_t rows = arg(o, 5, step), num_slots = arg(o, 8, step);
-    float *k_pool = (float *)(intptr_t)arg(o, 6, step), *v_pool = (float *)(intptr_t)arg(o, 7, step);
+    char *k_pool = (char *)(intptr_t)arg(o, 6, step), *v_pool = (char *)(intptr_t)arg(o, 7, step);
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return -1;
     for (int64_t r = 0; r < rows; r++) {
-        memcpy(k_pool + slots[r] * row, k + r * stride, (size_t)row * sizeof(float));
-        memcpy(v_pool + slots[r] * row, v + r * stride, (size_t)row * sizeof(float));
+        memcpy(k_pool + slots[r] * row, k + r * stride, (size_t)row);
+        memcpy(v_pool + slots[r] * row, v + r * stride, (size_t)row);
     }
     return 0;
+}
+
+/* bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest, ties to
+ * even, and a NaN stays a (quiet) NaN. */
+static inline float bf16_to_f32(uint16_t b)
+{
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static void to_f32(const struct op *o, const int64_t *step)
+{
+    const uint16_t *src = (const uint16_t *)(intptr_t)arg(o, 0, step);
+    const int64_t ss = arg(o, 1, step), rows = arg(o, 2, step), cols = arg(o, 3, step);
+    float *dst = (float *)(intptr_t)arg(o, 4, step);
+    const int64_t ds = arg(o, 5, step);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[r * ds + c] = bf16_to_f32(src[r * ss + c]);
+}
+
+static void to_bf16(const struct op *o, const int64_t *step)
+{
+    const float *src = (const float *)(intptr_t)arg(o, 0, step);
+    const int64_t ss = arg(o, 1, step), rows = arg(o, 2, step), cols = arg(o, 3, step);
+    uint16_t *dst = (uint16_t *)(intptr_t)arg(o, 4, step);
+    const int64_t ds = arg(o, 5, step);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[r * ds + c] = f32_to_bf16(src[r * ss + c]);
 }
 
 /* Runs ops[0 .. n) in order: 0, or -(i + 1) where op i failed (a kernel refused its inputs,
@@ -127,6 +174,24 @@ int64_t baton_run_program(const struct op *ops, int64_t n, const int64_t *step)
             const float *d = P(const float *, 1);
             const int64_t count = A(2);
             for (int64_t j = 0; j < count; j++) h[j] += d[j];
+            break;
+        }
+        case OP_ROPE_PARTS:
+            ((rope_parts_fn)o->fn)(P(void *, 0), A(1), A(2), A(3), A(4), P(const void *, 5),
+                                   P(const void *, 6), A(7));
+            break;
+        case OP_TO_F32:
+            to_f32(o, step);
+            break;
+        case OP_TO_BF16:
+            to_bf16(o, step);
+            break;
+        case OP_ADD_BF16: {
+            uint16_t *h = P(uint16_t *, 0);
+            const uint16_t *d = P(const uint16_t *, 1);
+            const int64_t count = A(2);
+            for (int64_t j = 0; j < count; j++)
+                h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(d[j]));
             break;
         }
         default:
