@@ -107,24 +107,21 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-static void to_f32(const struct op *o, const int64_t *step)
+/* rows x cols elements from src to dst (their row strides apart), widened to fp32 or narrowed
+ * to bf16 (OP_TO_F32, OP_TO_BF16). */
+static void convert(const struct op *o, const int64_t *step, int narrow)
 {
-    const uint16_t *src = (const uint16_t *)(intptr_t)arg(o, 0, step);
+    const char *src = (const char *)(intptr_t)arg(o, 0, step);
     const int64_t ss = arg(o, 1, step), rows = arg(o, 2, step), cols = arg(o, 3, step);
-    float *dst = (float *)(intptr_t)arg(o, 4, step);
+    char *dst = (char *)(intptr_t)arg(o, 4, step);
     const int64_t ds = arg(o, 5, step);
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) dst[r * ds + c] = bf16_to_f32(src[r * ss + c]);
-}
-
-static void to_bf16(const struct op *o, const int64_t *step)
-{
-    const float *src = (const float *)(intptr_t)arg(o, 0, step);
-    const int64_t ss = arg(o, 1, step), rows = arg(o, 2, step), cols = arg(o, 3, step);
-    uint16_t *dst = (uint16_t *)(intptr_t)arg(o, 4, step);
-    const int64_t ds = arg(o, 5, step);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) dst[r * ds + c] = f32_to_bf16(src[r * ss + c]);
+        for (int64_t c = 0; c < cols; c++) {
+            if (narrow)
+                ((uint16_t *)dst)[r * ds + c] = f32_to_bf16(((const float *)src)[r * ss + c]);
+            else
+                ((float *)dst)[r * ds + c] = bf16_to_f32(((const uint16_t *)src)[r * ss + c]);
+        }
 }
 
 /* Runs ops[0 .. n) in order: 0, or -(i + 1) where op i failed (a kernel refused its inputs,
@@ -181,10 +178,8 @@ int64_t baton_run_program(const struct op *ops, int64_t n, const int64_t *step)
                                    P(const void *, 6), A(7));
             break;
         case OP_TO_F32:
-            to_f32(o, step);
-            break;
         case OP_TO_BF16:
-            to_bf16(o, step);
+            convert(o, step, o->kind == OP_TO_BF16);
             break;
         case OP_ADD_BF16: {
             uint16_t *h = P(uint16_t *, 0);

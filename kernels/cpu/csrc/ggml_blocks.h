@@ -124,38 +124,53 @@ INLINE void quant_row_avx512(const float *x, int64_t nb, int64_t qtype, const in
 #endif
 
 #if defined(__AVX2__)
+/* A block's 32 values into v, and its scale amax / 127 (NaN where a value is NaN). */
+INLINE float block_scale_avx2(const float *xb, __m256 v[4])
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 mx = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
+                                      _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
+    return _mm256_movemask_ps(unord) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
+}
+
+/* The sum of the 32 int32 values of v. */
+INLINE int32_t block_sum_avx2(const __m256i v[4])
+{
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* The 32 int32 values of v as int8 bytes in order, saturated. */
+INLINE __m256i block_bytes_avx2(const __m256i v[4])
+{
+    /* packs interleave the 128-bit lanes; the permute puts the bytes back in order */
+    const __m256i i01 = _mm256_packs_epi32(v[0], v[1]), i23 = _mm256_packs_epi32(v[2], v[3]);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* quant_row_avx512's values (bit for bit) in AVX2. */
 INLINE void quant_row_avx2(const float *x, int64_t nb, int64_t qtype, const int offset,
                            const float fmul, const int32_t imul, xblock *out)
 {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * QK;
         __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        const __m256 mx = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
-                                          _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
-        const float d = _mm256_movemask_ps(unord) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
+        const float d = block_scale_avx2(x + b * QK, v);
         const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
         __m256i i[4];
         for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
-                                           _mm256_add_epi32(i[2], i[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-        const int32_t sx = _mm_cvtsi128_si32(s4);
-        /* packs interleave the 128-bit lanes; the permute puts the bytes back in order */
-        const __m256i i01 = _mm256_packs_epi32(i[0], i[1]), i23 = _mm256_packs_epi32(i[2], i[3]);
-        const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        put_xblock(out + b, q, d, sx, qtype, offset, fmul, imul);
+        put_xblock(out + b, block_bytes_avx2(i), d, block_sum_avx2(i), qtype, offset, fmul,
+                   imul);
     }
 }
 #endif

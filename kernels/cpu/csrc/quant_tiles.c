@@ -295,42 +295,13 @@ static void quant_row(const float *x, int64_t nb, int64_t qtype, xblock *out)
     quant_row_avx2(x, nb, qtype, 0, 1.0f, -8, out);
 }
 
-/* The 32 int32 values of v[0..4) as int8 bytes in order (saturated; the callers clamp first). */
-static inline __m256i bytes_of(const __m256i v[4])
-{
-    const __m256i i01 = _mm256_packs_epi32(v[0], v[1]), i23 = _mm256_packs_epi32(v[2], v[3]);
-    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
-                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-static inline int32_t sum_of(const __m256i v[4])
-{
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s4);
-}
-
 /* The AVX-512 build's quant_row_wide, bit for bit. */
 static void quant_row_wide(const float *x, int64_t nb, int64_t qtype, xblock2 *out)
 {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * QK;
         __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        const __m256 mx = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
-                                          _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
-        const float d = _mm256_movemask_ps(unord) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = block_scale_avx2(x + b * QK, v), id = d != 0.0f ? 1.0f / d : 0.0f;
         const __m256 dv = _mm256_set1_ps(d), idv = _mm256_set1_ps(id);
         const __m256 id256 = _mm256_set1_ps(id * 256.0f);
         __m256i h[4], l[4];
@@ -341,9 +312,9 @@ static void quant_row_wide(const float *x, int64_t nb, int64_t qtype, xblock2 *o
             l[j] = _mm256_cvtps_epi32(_mm256_mul_ps(r, id256));
             l[j] = _mm256_min_epi32(_mm256_max_epi32(l[j], nlim), lim);
         }
-        _mm256_storeu_si256((__m256i *)out[b].x.q, bytes_of(h));
-        _mm256_storeu_si256((__m256i *)out[b].lo, bytes_of(l));
-        put_aux(&out[b].x, d / 256.0f, 256 * sum_of(h) + sum_of(l), qtype);
+        _mm256_storeu_si256((__m256i *)out[b].x.q, block_bytes_avx2(h));
+        _mm256_storeu_si256((__m256i *)out[b].lo, block_bytes_avx2(l));
+        put_aux(&out[b].x, d / 256.0f, 256 * block_sum_avx2(h) + block_sum_avx2(l), qtype);
     }
 }
 
