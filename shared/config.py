@@ -149,12 +149,12 @@ class BatonConfig:
     # How the prefill engine runs a GGUF file's packed Q8_0 / Q4_0 / Q4_1 projections, where the
     # build has the tiled kernels (AVX-512 VNNI or AVX2; else "exact"): "int16" = activations in
     # two bytes a value per block (an error 1/256 of int8's; a prompt's first token is the
-    # dequantized model's but at near-ties), ~2x SGEMM's speed with AVX-512 VNNI (with AVX2 no
-    # faster than SGEMM: "exact" there); "int8" = the decode step's kernel (activations rounded
-    # to int8 per block, as llama.cpp does), ~4x (AVX2 ~2x), and a near-tie's first token can
-    # move; "exact" = each weight dequantized once a wave for SGEMM (a bf16 GEMM for bf16
-    # compute). The head is exact either way. See shared/runtime/linear_layout.py
-    # `packed_form`.
+    # dequantized model's but at near-ties), ~2x SGEMM's speed with AVX-512 VNNI ("exact" where
+    # it gains nothing: AVX2 tiles, or bf16 compute on a CPU with a bf16 GEMM); "int8" = the
+    # decode step's kernel (activations rounded to int8 per block, as llama.cpp does), ~4x
+    # (AVX2 ~2x), and a near-tie's first token can move; "exact" = each weight dequantized once
+    # a wave for SGEMM (a bf16 GEMM for bf16 compute). The head is exact either way. See
+    # shared/runtime/linear_layout.py `packed_form`.
     packed_prefill: str = "int16"
     # The CPU decode engine's fp32 layers as one native call a step (the same kernels and
     # arguments, bit-identical): no Python between a layer's kernels, where the model's forms

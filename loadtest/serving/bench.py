@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     packed_bytes = _packed_weight_bytes(model_dir, args.weight_format, computed)
     arith = computed if packed_bytes is None else "int8"  # a packed weight's decode arithmetic
     # ... and the prefill engine's: "int16", "int8" (the tiled kernels) or "exact"
-    prefill_arith = "exact" if packed_bytes is None else _prefill_arith()
+    prefill_arith = "exact" if packed_bytes is None else _prefill_arith(computed)
     say("roofline probes: memory bandwidth, GEMM peak...")
     probes = roofline.probe(model_cfg, computed, arith)
 
@@ -429,11 +429,13 @@ def _packed_weight_bytes(model_dir: Path, weight_format: str, computed: str) -> 
     return nbytes if packed else None
 
 
-def _prefill_arith() -> str:
+def _prefill_arith(computed: str) -> str:
     """What the prefill engine the run starts computes packed projections in."""
+    import torch
+
     from shared.runtime.linear_layout import prefill_arith
 
-    return prefill_arith(BatonConfig.from_env().packed_prefill)
+    return prefill_arith(BatonConfig.from_env().packed_prefill, getattr(torch, computed))
 
 
 def _environment() -> dict[str, Any]:

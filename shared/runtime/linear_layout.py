@@ -49,7 +49,7 @@ from torch import nn
 
 from kernels.cpu import dense_tiles, mkl_pack, onednn_pack
 from kernels.cpu.dense_tiles import DenseTileWeight
-from kernels.cpu.quant_linear import QuantWeight, load_quant_kernels
+from kernels.cpu.quant_linear import QuantWeight, bf16_gemm, load_quant_kernels
 from shared.runtime.model import CausalLM, Projection
 
 
@@ -68,7 +68,13 @@ MAX_PACKED_GROWTH = 1.25
 PACKED_PREFILLS = ("int16", "int8", "exact")  # BATON_PACKED_PREFILL
 
 
-def packed_form(weight: QuantWeight, role: str | None, head: bool, prefill: str = "int16") -> None:
+def packed_form(
+    weight: QuantWeight,
+    role: str | None,
+    head: bool,
+    prefill: str = "int16",
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """The form a GGUF weight kept quantized takes in an engine of ``role``.
 
     Where the build has the tiled kernels (AVX-512 VNNI or AVX2), the weight is regrouped into
@@ -78,33 +84,36 @@ def packed_form(weight: QuantWeight, role: str | None, head: bool, prefill: str 
     sequence's numbers do not depend on the batch it decodes in. Decode (and an engine without
     a role) takes the int8 kernel. The prefill engine takes ``prefill``'s (BATON_PACKED_PREFILL):
     "int16", x in two bytes a value (an error 1/256 of int8's: a prompt's KV and first token
-    are the dequantized model's but at near-ties; ~2x SGEMM's speed with AVX-512 VNNI, none
-    with AVX2, where it is "exact"), or "int8" (~4x, ~2x with AVX2, and the first token of a
-    near-tie moves: llama.cpp's arithmetic). With "exact", or without the tiled kernels, a
-    prefill weight is dequantized once a wave for SGEMM (up to fp32 summation order;
-    a bf16 model through a bf16 GEMM of the weight rounded to bf16 where the CPU has one). The
-    prefill engine's head is exact whatever the choice: it serves one row per sequence, by the
-    fp32 kernel (dequantized in registers), not a 113 MB fp32 copy of a 135M model's vocabulary
-    per wave."""
+    are the dequantized model's but at near-ties; ~2x SGEMM's speed with AVX-512 VNNI; "exact"
+    where it gains nothing, :func:`prefill_arith`), or "int8" (~4x, ~2x with AVX2, and the
+    first token of a near-tie moves: llama.cpp's arithmetic). ``dtype``: the model's. With
+    "exact", or without the tiled kernels, a prefill weight is dequantized once a wave for
+    SGEMM (up to fp32 summation order; a bf16 model through a bf16 GEMM of the weight rounded
+    to bf16 where the CPU has one). The prefill engine's head is exact whatever the choice: it
+    serves one row per sequence, by the fp32 kernel (dequantized in registers), not a 113 MB
+    fp32 copy of a 135M model's vocabulary per wave."""
     if role == "prefill" and head:
         weight.small_mode, weight.small_max_rows = "f32", 1 << 62
-    elif role == "prefill" and prefill_arith(prefill) == "exact":
+    elif role == "prefill" and prefill_arith(prefill, dtype) == "exact":
         weight.small_max_rows = 0
     elif weight.tile():
         if role == "prefill":
-            weight.small_mode = prefill_arith(prefill)
+            weight.small_mode = prefill
         if weight.small_mode != "f32":
             weight.small_max_rows = 1 << 62
 
 
-def prefill_arith(prefill: str) -> str:
-    """What the prefill engine computes packed projections in (:func:`packed_form`): ``prefill``
-    (BATON_PACKED_PREFILL), or "exact" where the build has no tiled kernels, and for "int16"
-    where they are AVX2's: there two-byte x runs at SGEMM's pace (docs/perf-log.md, "Packed
-    prefill on the tiles"), so it would round x for nothing."""
+def prefill_arith(prefill: str, dtype: torch.dtype = torch.float32) -> str:
+    """What the prefill engine of a ``dtype`` model computes packed projections in
+    (:func:`packed_form`): ``prefill`` (BATON_PACKED_PREFILL), or "exact" where the build has no
+    tiled kernels, and for "int16" where it gains nothing (docs/perf-log.md, "Packed prefill on
+    the tiles"): with AVX2 tiles two-byte x runs at SGEMM's pace, and a bf16 model on a CPU with
+    a bf16 GEMM rounds x to bf16 anyway, where that GEMM is the faster."""
     kernels = load_quant_kernels()
     isa = "none" if kernels is None or kernels.tile_rows == 0 else kernels.tiles_isa
-    if isa == "none" or (prefill == "int16" and isa != "avx512-vnni"):
+    if isa == "none":
+        return "exact"
+    if prefill == "int16" and (isa != "avx512-vnni" or (dtype == torch.bfloat16 and bf16_gemm())):
         return "exact"
     return prefill
 
@@ -142,6 +151,7 @@ def prepare_projections(
     role: str | None = None,
     decode_linear: str = "tiles",
     packed_prefill: str = "int16",
+    dtype: torch.dtype = torch.float32,
 ) -> int:
     """Transpose every :class:`Projection`'s weight and, where dense tiles (the decode role,
     ``decode_linear``), oneDNN or MKL can, pack it too; returns the number packed. ``role``:
@@ -149,7 +159,7 @@ def prepare_projections(
     it is (the embedding's row gather wants ``[vocab, hidden]``, contiguous) and is still
     packed; in the decode engine's tiles it serves the embedding too (:func:`embed_from_head`).
     A GGUF weight kept quantized (:class:`QuantWeight`) takes :func:`packed_form`'s form
-    (``packed_prefill``: the prefill engine's choice)."""
+    (``packed_prefill``: the prefill engine's choice; ``dtype``: the model's)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
     if decode_linear not in DECODE_LINEARS:
@@ -166,7 +176,7 @@ def prepare_projections(
     packed = 0
     for module in model.modules():
         if isinstance(module, Projection) and isinstance(module.packed, QuantWeight):
-            packed_form(module.packed, role, module is head, packed_prefill)
+            packed_form(module.packed, role, module is head, packed_prefill, dtype)
             continue
         if not isinstance(module, Projection) or module.weight.is_meta:
             continue

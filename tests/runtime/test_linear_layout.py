@@ -171,3 +171,20 @@ def test_without_onednn_fp32_packs_for_mkl_and_bf16_stays_plain(
         assert torch.equal(bf16.project(x), F.linear(x, bf16.weight))
     finally:
         onednn_pack.available.cache_clear()
+
+
+def test_the_prefill_engine_keeps_two_byte_x_where_it_gains() -> None:
+    """BATON_PACKED_PREFILL=int16 runs where it beats the exact path: AVX-512 VNNI tiles, and
+    not for a bf16 model on a CPU with a bf16 GEMM (docs/perf-log.md, "Packed prefill on the
+    tiles"); int8 wherever there are tiles; nothing without them."""
+    from kernels.cpu.quant_linear import bf16_gemm, load_quant_kernels
+    from shared.runtime.linear_layout import prefill_arith
+
+    kernels = load_quant_kernels()
+    isa = "none" if kernels is None or kernels.tile_rows == 0 else kernels.tiles_isa
+    assert prefill_arith("exact") == "exact"
+    assert prefill_arith("int8") == ("exact" if isa == "none" else "int8")
+    vnni = isa == "avx512-vnni"
+    assert prefill_arith("int16") == ("int16" if vnni else "exact")
+    bf16 = "int16" if vnni and not bf16_gemm() else "exact"
+    assert prefill_arith("int16", torch.bfloat16) == bf16
