@@ -63,7 +63,8 @@ typedef struct {
 /* Block i of quantized x: xblocks, or xblock2s where wide. */
 static inline const xblock *xb_at(const void *xp, int wide, int64_t i)
 {
-    return (const xblock *)((const char *)xp + i * (int64_t)(wide ? sizeof(xblock2) : sizeof(xblock)));
+    const int64_t size = wide ? (int64_t)sizeof(xblock2) : (int64_t)sizeof(xblock);
+    return (const xblock *)((const char *)xp + i * size);
 }
 
 /* The aux term of a block whose values sum to sx at scale dx (quant_row's rule). */
@@ -394,7 +395,8 @@ INLINE void group_rows(const int64_t qtype, const int wide, const int mr, const 
                     for (int c = 1; c < 8; c++)
                         pairs = _mm256_add_epi16(
                             pairs, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(lo[c])));
-                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), _mm256_madd_epi16(pairs, ones));
+                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
+                                           _mm256_madd_epi16(pairs, ones));
                 }
                 if (qtype == QT_Q4_0) dot = _mm256_add_epi32(_mm256_set1_epi32(x->aux.i), dot);
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->dx));
