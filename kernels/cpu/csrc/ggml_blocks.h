@@ -99,6 +99,17 @@ INLINE void put_xblock(xblock *o, __m256i q, float d, int32_t sx, int64_t qtype,
 #endif
 
 #if defined(__AVX512F__)
+/* A block's 32 values into v[0], v[1], and its scale amax / 127 (NaN where a value is NaN). */
+INLINE float block_scale_avx512(const float *xb, __m512 v[2])
+{
+    v[0] = _mm512_loadu_ps(xb), v[1] = _mm512_loadu_ps(xb + 16);
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const int nan = (_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                     _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q)) != 0;
+    return nan ? NAN : amax / 127.0f;
+}
+
 /* Row x's nb blocks of 32 quantized as llama.cpp's CPU backend does it (ggml's quantize_row_q8_0
  * with the scale kept in fp32): dx = amax / 127 (NaN where the block holds a NaN), xq = round(x /
  * dx) saturated to int8, stored + 128 as unsigned bytes where `offset`; aux = dx * sx * fmul for
@@ -107,15 +118,11 @@ INLINE void quant_row_avx512(const float *x, int64_t nb, int64_t qtype, const in
                              const float fmul, const int32_t imul, xblock *out)
 {
     for (int64_t b = 0; b < nb; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
-                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-        const float d = nan ? NAN : amax / 127.0f;
+        __m512 v[2];
+        const float d = block_scale_avx512(x + b * QK, v);
         const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
-        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], id));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], id));
         const int32_t sx = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
         put_xblock(out + b, _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0)),
                    d, sx, qtype, offset, fmul, imul);

@@ -196,12 +196,9 @@ static void quant_row_wide(const float *x, int64_t nb, int64_t qtype, xblock2 *o
 {
     const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
     for (int64_t b = 0; b < nb; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const int nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
-                         _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-        const float d = nan ? NAN : amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m512 v[2];
+        const float d = block_scale_avx512(x + b * QK, v), id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 v0 = v[0], v1 = v[1];
         const __m512 dv = _mm512_set1_ps(d), idv = _mm512_set1_ps(id);
         const __m512 id256 = _mm512_set1_ps(id * 256.0f);
         __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
