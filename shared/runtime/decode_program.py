@@ -297,13 +297,15 @@ class DecodePrograms:
         assert kind == prog.QUANT_LINEAR and isinstance(w, QuantWeight) and w.kernels is not None
         if not 0 < m <= w.small_max_rows:
             raise ValueError(f"{m} rows: past the packed weight's decode kernel")
-        fn = w.kernels._tiles_linear if w.tiled else w.kernels._linear
-        x_in, y_out = x, y
+        fn = w._small_kernel(w.kernels)  # the eager call's own choice (int8: tiles or rows)
+        assert fn is not None
+        x_at, y_at = x.data_ptr(), y.data_ptr()
         if self.dtype != torch.float32:
-            x_in, y_out = b["x32"][:, :k], b["y32"][:, :n]
-            program.add(prog.TO_F32, None, [x.data_ptr(), k, m, k, x_in.data_ptr(), k])
+            # fp32 x [m, k] and y [m, n], contiguous, at the start of the scratch rows
+            x_at, y_at = b["x32"].data_ptr(), b["y32"].data_ptr()
+            program.add(prog.TO_F32, None, [x.data_ptr(), k, m, k, x_at, k])
         program.add(prog.QUANT_LINEAR, prog.address(fn),
-                    [w._raw_ptr, w._qtype, n, k, x_in.data_ptr(), m, k, bias, y_out.data_ptr(),
+                    [w._raw_ptr, w._qtype, n, k, x_at, m, k, bias, y_at,
                      quant_parts(m, n, k)])  # fmt: skip
         if self.dtype != torch.float32:
-            program.add(prog.TO_BF16, None, [y_out.data_ptr(), n, m, n, y.data_ptr(), n])
+            program.add(prog.TO_BF16, None, [y_at, n, m, n, y.data_ptr(), n])
