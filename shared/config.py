@@ -222,7 +222,8 @@ class BatonConfig:
     prefill_max_num_seqs: int = 64
     # Prefill waking to more than one request waits for the rest of the burst: until no new
     # one has come for prefill_batch_wait_s, at most prefill_batch_wait_max_s (seconds). A lone
-    # request does not wait.
+    # request waits for a second one at most an eighth of its own forward's time, up to
+    # prefill_batch_wait_s (services/shell/engine_service.py lone_wait_s).
     prefill_batch_wait_s: float = 0.01
     prefill_batch_wait_max_s: float = 0.05
     # --- decode scheduling --------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.shell.common import resolve_model_dir
-from services.shell.engine_service import EngineService
+from services.shell.engine_service import EngineService, Received
 from shared.config import BatonConfig
 from shared.engine.build import build_prefill_engine
 from shared.engine.cpu_share import CpuShareManager
@@ -53,6 +53,10 @@ class PrefillService(EngineService):
             lambda depths: self._apply(lambda: self.policy.observe_depths(depths)),
         )
         poller.on_spill(lambda used: self._apply(lambda: self.policy.observe_spill(used)))
+
+    def _work_tokens(self, item: Received) -> int:
+        msg = item.msg
+        return len(msg.prompt_token_ids) if isinstance(msg, PrefillMsg) else 0
 
     def _apply(self, observe: Callable[[], None]) -> None:
         """Feed the policy, then apply its answers: the window, and intake reopened."""

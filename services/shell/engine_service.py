@@ -60,6 +60,9 @@ BUSY_WAIT_S = 0.01  # work that cannot be scheduled now (KV blocks short): re-ch
 # A decode step waiting for a prefill wave (decode_yields) looks again this often: prefill's
 # end is not announced to the other process.
 YIELD_POLL_S = 0.01
+# A lone request on waking waits for company at most this share of its own forward's time
+# (:func:`lone_wait_s`).
+LONE_WAIT_SHARE = 0.125
 
 
 @dataclass
@@ -68,6 +71,15 @@ class Received:
 
     msg: Any  # PrefillMsg | HandoffMsg
     delivery: AbstractIncomingMessage
+
+
+def lone_wait_s(tokens: int, tokens_per_s: float, cap_s: float) -> float:
+    """How long a request of ``tokens`` that woke the engine alone waits for company:
+    LONE_WAIT_SHARE of its forward's time at the engine's last measured rate, at most ``cap_s``;
+    0 before any forward was measured."""
+    if tokens <= 0 or tokens_per_s <= 0:
+        return 0.0
+    return min(cap_s, LONE_WAIT_SHARE * tokens / tokens_per_s)
 
 
 class EngineService(ABC):
@@ -111,6 +123,7 @@ class EngineService(ABC):
         self.cpu_share = cpu_share
         self.yield_s = yield_s
         self._last_step_at = 0.0  # time.monotonic() after the last step
+        self.tokens_per_s = 0.0  # the last forward's tokens over its seconds (0: none yet)
         self.trace = StepTrace(config.step_trace, self.name)
         # Every step on one thread of its own. torch's thread count (OpenMP's) is a setting of
         # the calling thread, and each calling thread keeps its own OpenMP team: steps spread
@@ -284,6 +297,8 @@ class EngineService(ABC):
         started = time.monotonic()
         out = await asyncio.get_running_loop().run_in_executor(self._stepper, self._step)
         self._last_step_at = time.monotonic()
+        if out.stats is not None and out.stats.forward_s > 0 and out.stats.num_scheduled_tokens:
+            self.tokens_per_s = out.stats.num_scheduled_tokens / out.stats.forward_s
         if trace:
             stats = out.stats
             trace.record(
@@ -302,19 +317,31 @@ class EngineService(ABC):
                 await self._wait(BUSY_WAIT_S)
 
     async def _gather(self) -> None:
-        """On waking to work: a burst (more than one request already here) waits for the rest
-        of it to join the first batch, until none has come for ``batch_wait_s`` (at most
-        ``batch_wait_max_s``); a lone request does not wait for company that is not coming (the
-        wait would be a large share of a 1-token request's pipeline overhead).
+        """On waking to work: a burst waits for the rest of it to join the first batch, until
+        none has come for ``batch_wait_s`` (at most ``batch_wait_max_s``).
 
         Why until quiet, not one fixed gap: a burst reaches prefill over tens of ms (each
         request tokenized and published in turn, in clusters a few ms apart), so one short gap
         would start the first wave with a few of them; decode would then begin those while
         prefill ran the rest, each on half the cores. Hence a default gap longer than the
-        clusters' spacing (prefill_batch_wait_s)."""
+        clusters' spacing (prefill_batch_wait_s).
+
+        A request that wakes the engine alone may still lead a burst: the tokenizer commits
+        the first request of a burst on its own, and the rest a commit later (its group commit,
+        services/shell/tx_outbox.py), so the first wave of an all-at-once burst would be that
+        one prompt while the rest waited for it. It waits for a second request, for at most
+        :func:`lone_wait_s`: a share of its own forward's time, so a request that is alone
+        loses little, and a short one (whose pipeline overhead a wait would double) none."""
         await asyncio.sleep(0)  # take in what the socket already holds
-        if len(self.inbox) <= 1:
+        if not self.inbox:
             return
+        if len(self.inbox) == 1:
+            wait = lone_wait_s(self._work_tokens(self.inbox[0]), self.tokens_per_s,
+                               self.batch_wait_s)  # fmt: skip
+            if wait > 0:
+                await self._wait(wait)  # a delivery wakes it
+            if len(self.inbox) <= 1:
+                return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.batch_wait_max_s
         while True:
@@ -322,6 +349,11 @@ class EngineService(ABC):
             await asyncio.sleep(min(self.batch_wait_s, max(0.0, deadline - loop.time())))
             if len(self.inbox) == seen or loop.time() >= deadline:
                 return
+
+    def _work_tokens(self, item: Received) -> int:
+        """Tokens a request's forward computes (a lone request's wait for company scales with
+        them, :meth:`_gather`); 0: it never waits."""
+        return 0
 
     def _yields_step(self) -> bool:
         """Whether the next step waits for a prefill wave on the shared cores (decode only:
