@@ -200,7 +200,10 @@ class BatonConfig:
     # 0 = none. On CPU it is the same memory as the pool (raise kv_cache_mb instead); it works
     # there so the protocol is tested anywhere.
     kv_host_cache_mb: int = 0
-    # "auto": K/V in the model's dtype (exact, the parity contract); "int8": int8 values with a
+    # "auto": K/V in the model's dtype (exact, the parity contract), except under GGUF weights
+    # kept packed (an int8-rounded decode step already): bf16, as llama.cpp keeps 16 bits;
+    # "bfloat16" / "float32": that dtype (bf16 under an fp32 model: CPU only, half the bytes
+    # attention reads, each value rounded once as stored); "int8": int8 values with a
     # per-(token, head) fp32 scale, ~1/4 of fp32's bytes (shared/runtime/kv_codec.py). Prefill and
     # decode must agree: a handoff between different caches is refused, never converted.
     kv_cache_dtype: str = "auto"

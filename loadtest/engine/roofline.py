@@ -89,12 +89,14 @@ def decode_floor(
     bandwidth_gbs: float,
     peak_gflops: float,
     weight_bytes: float | None = None,
+    kv_dtype: str | None = None,
 ) -> dict[str, float]:
     """Seconds a decode step of ``batch`` sequences of mean ``context`` tokens needs at least.
-    ``weight_bytes``: what the engine's weights take where not ``dtype``'s (packed GGUF)."""
+    ``weight_bytes``: what the engine's weights take where not ``dtype``'s (packed GGUF);
+    ``kv_dtype``: the cache's dtype where not ``dtype`` (packed GGUF: bf16)."""
     if weight_bytes is None:
         weight_bytes = (shape.body_params + shape.head_params) * DTYPE_BYTES[dtype]
-    kv_bytes = batch * context * shape.kv_bytes_per_token(dtype)
+    kv_bytes = batch * context * shape.kv_bytes_per_token(kv_dtype or dtype)
     flops = 2.0 * (shape.body_params + shape.head_params) * batch
     flops += shape.attention_flops(batch, context)
     memory_s = (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9)
@@ -233,18 +235,19 @@ def roofline(
     profile: Mapping[str, Any] | None,
     weight_bytes: float | None = None,
     prefill_body_gflops: float | None = None,
+    kv_dtype: str | None = None,
 ) -> dict[str, Any]:
     """The decode-step and prefill rows of an all-at-once run (JSON-ready). ``weight_bytes``:
     what a decode step reads of the weights where not ``dtype``'s (packed GGUF);
     ``prefill_body_gflops``: the peak of the prefill layers' arithmetic where not ``dtype``'s
-    (:func:`packed_gflops`)."""
+    (:func:`packed_gflops`); ``kv_dtype``: the cache's where not ``dtype``'s."""
     shape = Shape.of(cfg)
     bw, peak = float(probes["bandwidth_gbs"]), float(probes["gemm_gflops"])
     decode_peak = float(probes.get("decode_gemm_gflops", peak))
     batch = len(prompt_lens)
     # Mean context over the decode steps: the prompt plus half the output, averaged.
     context = sum(p + o / 2 for p, o in zip(prompt_lens, output_lens, strict=True)) / batch
-    step = decode_floor(shape, dtype, batch, context, bw, decode_peak, weight_bytes)
+    step = decode_floor(shape, dtype, batch, context, bw, decode_peak, weight_bytes, kv_dtype)
     pre = prefill_flops(shape, prompt_lens)
     pre_floor = prefill_floor_s(pre, peak, prefill_body_gflops)
 

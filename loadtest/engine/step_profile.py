@@ -108,12 +108,12 @@ def contention(
 
 
 def run(
-    args: argparse.Namespace, dtype: str, threads: int, weight_format: str, program: str
+    args: argparse.Namespace, dtype: str, threads: int, weight_format: str, program: str, kv: str
 ) -> None:
     torch.set_num_threads(threads)
     config = BatonConfig(
         model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention,
-        weight_format=weight_format, decode_program=program == "on",
+        weight_format=weight_format, decode_program=program == "on", kv_cache_dtype=kv,
     )  # fmt: skip
     runner = ModelRunner(config, role="decode")  # the forms the decode service keeps
     model_dir = resolve_model(args.model)
@@ -123,6 +123,7 @@ def run(
     computed = str(runner.dtype).removeprefix("torch.")
     label = f"{dtype} {weight_format}" + (f" (computed in {computed})" if computed != dtype else "")
     label += f" program {'on' if runner.model.decode_programs is not None else 'off'}"
+    label += f" kv {str(runner.kv_cache.dtype).removeprefix('torch.')}"
     bm = BlockManager(runner.num_kv_blocks, runner.block_size)
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -185,6 +186,7 @@ def run(
     step = roofline.decode_floor(
         shape, computed, args.batch, (args.prompt + 3 * args.context) / 4, bw, decode_peak,
         weight_bytes=runner.model.weight_bytes(),
+        kv_dtype=None if runner.kv_codec.quantized else str(runner.kv_cache.dtype)[6:],
     )  # fmt: skip
     tiled = any(isinstance(m, Projection) and isinstance(m.packed, QuantWeight) and m.packed.tiled
                 for m in runner.model.modules())  # fmt: skip
@@ -242,6 +244,10 @@ def main() -> None:
         "--decode-program", nargs="+", default=["on"], choices=["on", "off"],
         help="BATON_DECODE_PROGRAM: the decode step's layers as one native call, or eager",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", nargs="+", default=["auto"],
+        help="BATON_KV_CACHE_DTYPE: auto (packed GGUF: bfloat16), bfloat16, float32, int8",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--context", type=int, default=160)
@@ -260,7 +266,8 @@ def main() -> None:
         for dtype in args.dtype:
             for weight_format in args.weight_format:
                 for program in args.decode_program:
-                    run(args, dtype, threads, weight_format, program)
+                    for kv in args.kv_cache_dtype:
+                        run(args, dtype, threads, weight_format, program, kv)
 
 
 if __name__ == "__main__":

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             roof = roofline.roofline(
                 model_cfg, computed, probes, [len(s.prompt_token_ids) for s in specs],
                 [s.max_tokens for s in specs], summary.to_dict(), run["profile"], packed_bytes,
-                body_peak,
+                body_peak, _kv_dtype(computed, packed_bytes is not None),
             )  # fmt: skip
             print(roofline.format_roofline(roof))
         if run["profile"] is not None:
@@ -427,6 +427,19 @@ def _packed_weight_bytes(model_dir: Path, weight_format: str, computed: str) -> 
         return None
     nbytes, packed = decode_weight_bytes(gguf, getattr(torch, computed), packed=True)
     return nbytes if packed else None
+
+
+def _kv_dtype(computed: str, packed: bool) -> str | None:
+    """The float KV cache's dtype in the engines the run starts (BATON_KV_CACHE_DTYPE; "auto"
+    under packed weights is bf16: shared/runtime/kv_codec.py); None for int8's packed rows."""
+    import torch
+
+    from shared.runtime.kv_codec import make_kv_codec
+
+    codec = make_kv_codec(BatonConfig.from_env().kv_cache_dtype, packed)
+    if codec.quantized:
+        return None
+    return str(codec.cache_dtype(getattr(torch, computed))).removeprefix("torch.")
 
 
 def _prefill_arith(computed: str) -> str:

@@ -11,7 +11,8 @@ only writes the RoPE tables', the slot mapping's and the block tables' addresses
 What it records: fp32 and bf16 models on the CPU whose layers run the decode engine's C forms
 (fused norms and SiLU * up, the C RoPE, projections as dense tiles of the model's dtype or packed
 GGUF weights on their int8 kernel) without sliding windows or q/k norms, over a KV cache of the
-model's dtype read by the C attention kernel. A bf16 model's step converts where its eager
+model's dtype (or bf16 under an fp32 model, its rows rounded as stored) read by the C attention
+kernel. A bf16 model's step converts where its eager
 forward does (q to fp32 for the attention kernel and its output back; a packed weight's x and
 y around the int8 kernel), with torch's rounding, and adds its residual as torch adds bf16.
 Anything else (and any step whose metadata is not that kernel's) runs the eager forward.
@@ -131,7 +132,10 @@ class DecodePrograms:
         """None where the model's forms or the cache are not ones a program records, or the
         library cannot be built."""
         dtype = model.norm.weight.dtype
-        if kv_cache.dtype != dtype or not kv_cache.is_contiguous() or not _records(model):
+        # The cache in the model's dtype, or bf16 under an fp32 model (the attention kernel
+        # reads either; the store rounds rows as torch's copy does).
+        cache_ok = kv_cache.dtype in (dtype, torch.bfloat16)
+        if not cache_ok or not kv_cache.is_contiguous() or not _records(model):
             return None
         lib = prog.load_program_library()
         return None if lib is None else cls(model, kv_cache, lib)
@@ -210,7 +214,7 @@ class DecodePrograms:
         program = prog.Program(self.lib, self.step)
         step = prog.Program.step_arg
         kernel = meta.kernel
-        attend = prog.address(kernel._attend[dtype])
+        attend = prog.address(kernel._attend[cache.dtype])
         num_slots = cache.shape[2] * cache.shape[3]
         for i, layer in enumerate(model.layers):
             assert isinstance(layer, DecoderLayer) and isinstance(layer.kernels, LayerKernels)
@@ -236,7 +240,8 @@ class DecodePrograms:
             v_at = k_at + a.kv_size * qkv.element_size()
             program.add(prog.STORE_KV, None,
                         [k_at, v_at, qkv_n, a.kv_size, step(SLOTS), batch, k_pool.data_ptr(),
-                         v_pool.data_ptr(), num_slots, qkv.element_size()])  # fmt: skip
+                         v_pool.data_ptr(), num_slots, qkv.element_size(),
+                         cache.element_size()])  # fmt: skip
             # The attention kernel takes fp32 q and writes fp32 (a bf16 model's eager call
             # converts around it).
             q_at, q_stride, out = qkv.data_ptr(), qkv_n, attn

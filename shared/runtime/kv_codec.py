@@ -47,19 +47,22 @@ class KVCodec(Protocol):
 
 
 class FloatKV:
-    """The model's own dtype: rows stored as computed, exact."""
+    """Rows stored as floats: the model's own dtype ("auto", exact), or bf16 ("bfloat16": half
+    of fp32's bytes, each value rounded once as it is stored, to nearest even)."""
 
-    name = "auto"
     quantized = False
 
+    def __init__(self, name: str = "auto", dtype: torch.dtype | None = None) -> None:
+        self.name, self.dtype = name, dtype
+
     def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype
+        return self.dtype or model_dtype
 
     def row_width(self, head_dim: int) -> int:
         return head_dim
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return x if self.dtype is None else x.to(self.dtype)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return rows if rows.dtype == dtype else rows.to(dtype)
@@ -96,10 +99,21 @@ class Int8KV:
         return rows[..., :-SCALE_BYTES], rows[..., -SCALE_BYTES:].view(torch.float32)[..., 0]
 
 
-KV_CODECS: dict[str, KVCodec] = {"auto": FloatKV(), "int8": Int8KV()}
+KV_CODECS: dict[str, KVCodec] = {
+    "auto": FloatKV(),
+    "bfloat16": FloatKV("bfloat16", torch.bfloat16),
+    "float32": FloatKV("float32", torch.float32),
+    "int8": Int8KV(),
+}
 
 
-def make_kv_codec(kv_cache_dtype: str) -> KVCodec:
+def make_kv_codec(kv_cache_dtype: str, packed_weights: bool = False) -> KVCodec:
+    """The codec ``kv_cache_dtype`` names; "auto" under GGUF weights kept packed (int8
+    activations at every decode step: the step is approximate already) is bf16, as llama.cpp
+    keeps its cache in 16 bits by default: half of fp32's bytes for attention to read, each
+    value within 2^-9 of fp32's, far inside the int8 rounding of the projections' inputs."""
+    if kv_cache_dtype == "auto" and packed_weights:
+        kv_cache_dtype = "bfloat16"
     try:
         return KV_CODECS[kv_cache_dtype]
     except KeyError:

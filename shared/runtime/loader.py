@@ -19,7 +19,8 @@ from safetensors import safe_open
 from kernels.cpu import cpu_isa
 from kernels.cpu.quant_linear import QuantWeight
 from shared.models.gguf_model import gguf_path_of
-from shared.runtime.gguf_weights import Weight, cat_rows, read_gguf
+from shared.runtime.gguf_file import read_tensor_index
+from shared.runtime.gguf_weights import Weight, cat_rows, read_gguf, stays_packed
 from shared.runtime.model import CausalLM, Projection
 from shared.runtime.model_config import ModelConfig
 
@@ -161,6 +162,16 @@ def packs_weights(weight_format: str, device: torch.device) -> bool:
     if weight_format == "packed" and device.type != "cpu":
         raise ValueError("BATON_WEIGHT_FORMAT=packed runs on a CPU only; use dequantized")
     return weight_format != "dequantized" and device.type == "cpu"
+
+
+def keeps_packed(model_dir: Path, weight_format: str, device: torch.device) -> bool:
+    """Whether any of the model's matrices stays packed (:func:`packs_weights`, a GGUF file
+    with quantized ones): from the file's tensor index alone, before any weight is read."""
+    gguf = gguf_path_of(Path(model_dir))
+    if gguf is None or not packs_weights(weight_format, device):
+        return False
+    return any(stays_packed(t.tensor_type.name, len(t.shape), True)
+               for t in read_tensor_index(gguf))  # fmt: skip
 
 
 def load_model(

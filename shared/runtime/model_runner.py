@@ -32,7 +32,7 @@ from shared.runtime.fp_window import FpBatch, FpWindow, fp_batch
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.kv_tiers import HostKVTier, TierLayout, written_blocks
 from shared.runtime.linear_layout import prepare_projections
-from shared.runtime.loader import load_model, resolve_dtype
+from shared.runtime.loader import keeps_packed, load_model, resolve_dtype
 from shared.runtime.logprobs import StepLogprobs, prompt_entries
 from shared.runtime.model_config import ModelConfig
 from shared.runtime.sampler import Sampler
@@ -69,7 +69,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_dir, self.device)
         # Everything that can refuse this model is checked before its weights are read.
         cfg = ModelConfig.from_dir(model_dir)
-        self.kv_codec = make_kv_codec(config.kv_cache_dtype)
+        packed = keeps_packed(model_dir, config.weight_format, self.device)
+        self.kv_codec = make_kv_codec(config.kv_cache_dtype, packed)
         # int8's full-precision window (fp_window.py): slots of the pool the block manager hands
         # out with the window's blocks.
         self.fp_window = (
@@ -83,6 +84,11 @@ class ModelRunner:
                 "window: set BATON_KV_FP_WINDOW=0 to use a host tier with int8"
             )
         kv_dtype = self.kv_codec.cache_dtype(self.dtype)
+        if self.device.type != "cpu" and not self.kv_codec.quantized and kv_dtype != self.dtype:
+            raise ValueError(
+                f"BATON_KV_CACHE_DTYPE={config.kv_cache_dtype}: a cache in another float dtype "
+                f"than the model's ({self.dtype}) runs on CPU only; use auto or int8"
+            )
         row_width = self.kv_codec.row_width(cfg.head_dim)
         self.block_bytes = (
             cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * row_width * kv_dtype.itemsize

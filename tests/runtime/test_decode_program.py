@@ -75,11 +75,16 @@ def _assert_program_is_eager(runner: ModelRunner, batches: tuple[int, ...]) -> N
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "kv"), [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto")]
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v
-def test_tiny_models_decode_as_the_eager_forward(arch: str, dtype: str) -> None:
+def test_tiny_models_decode_as_the_eager_forward(arch: str, dtype: str, kv: str) -> None:
+    """fp32 over an fp32 or a bf16 cache (each row rounded as stored), bf16 over its own."""
     with torch_threads(2):
-        runner = _decode_runner(tiny_model_dir(arch), dtype=dtype)
+        runner = _decode_runner(tiny_model_dir(arch), dtype=dtype, kv_cache_dtype=kv)
+        fp32_cache = (dtype, kv) == ("float32", "auto")
+        assert runner.kv_cache.dtype == (torch.float32 if fp32_cache else torch.bfloat16)
         if runner.model.decode_programs is None:
             pytest.skip(f"this build has no {runner.dtype} tile kernel (the eager forward serves)")
         _assert_program_is_eager(runner, (1, 3))

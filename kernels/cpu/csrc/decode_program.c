@@ -31,7 +31,7 @@ enum {
                          max_blocks, lens, starts, batch, parts, heads, kv_heads, head_dim,
                          block_size, scale, max_len, out) */
     OP_STORE_KV,      /* here: (k_src, v_src, src_stride, row, slots, rows, k_pool, v_pool,
-                         num_slots, element_bytes) in elements */
+                         num_slots, element_bytes, pool_element_bytes) in elements */
     OP_ADD,           /* here: (h, delta, n): h += delta in fp32 */
     OP_ROPE_PARTS,    /* layer_ops.c bf16 rope (x, tokens, heads, head_dim, stride, cos, sin,
                          parts) */
@@ -70,25 +70,6 @@ static inline int64_t arg(const struct op *o, int i, const int64_t *step)
     return v & STEP_ARG ? step[v & ~STEP_ARG] : v;
 }
 
-/* Rows of K and V into their slots; -1 (nothing stored) where a slot is outside the pools. */
-static int store_kv(const struct op *o, const int64_t *step)
-{
-    const int64_t es = arg(o, 9, step); /* bytes an element */
-    const char *k = (const char *)(intptr_t)arg(o, 0, step);
-    const char *v = (const char *)(intptr_t)arg(o, 1, step);
-    const int64_t stride = arg(o, 2, step) * es, row = arg(o, 3, step) * es;
-    const int64_t *slots = (const int64_t *)(intptr_t)arg(o, 4, step);
-    const int64_t rows = arg(o, 5, step), num_slots = arg(o, 8, step);
-    char *k_pool = (char *)(intptr_t)arg(o, 6, step), *v_pool = (char *)(intptr_t)arg(o, 7, step);
-    for (int64_t r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
-    for (int64_t r = 0; r < rows; r++) {
-        memcpy(k_pool + slots[r] * row, k + r * stride, (size_t)row);
-        memcpy(v_pool + slots[r] * row, v + r * stride, (size_t)row);
-    }
-    return 0;
-}
-
 /* bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest, ties to
  * even, and a NaN stays a (quiet) NaN. */
 static inline float bf16_to_f32(uint16_t b)
@@ -105,6 +86,36 @@ static inline uint16_t f32_to_bf16(float f)
     memcpy(&bits, &f, sizeof bits);
     if (f != f) return 0x7fc0;
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Rows of K and V into their slots; -1 (nothing stored) where a slot is outside the pools. Rows
+ * of fp32 into a bf16 cache (an fp32 model's bf16 KV) round as torch's copy does. */
+static int store_kv(const struct op *o, const int64_t *step)
+{
+    const int64_t es = arg(o, 9, step), pes = arg(o, 10, step); /* bytes an element: rows, pool */
+    const char *k = (const char *)(intptr_t)arg(o, 0, step);
+    const char *v = (const char *)(intptr_t)arg(o, 1, step);
+    const int64_t stride = arg(o, 2, step) * es, n = arg(o, 3, step), row = n * pes;
+    const int64_t *slots = (const int64_t *)(intptr_t)arg(o, 4, step);
+    const int64_t rows = arg(o, 5, step), num_slots = arg(o, 8, step);
+    char *k_pool = (char *)(intptr_t)arg(o, 6, step), *v_pool = (char *)(intptr_t)arg(o, 7, step);
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        if (pes == es) {
+            memcpy(k_pool + slots[r] * row, k + r * stride, (size_t)row);
+            memcpy(v_pool + slots[r] * row, v + r * stride, (size_t)row);
+            continue;
+        }
+        const float *kr = (const float *)(k + r * stride), *vr = (const float *)(v + r * stride);
+        uint16_t *kd = (uint16_t *)(k_pool + slots[r] * row);
+        uint16_t *vd = (uint16_t *)(v_pool + slots[r] * row);
+        for (int64_t c = 0; c < n; c++) {
+            kd[c] = f32_to_bf16(kr[c]);
+            vd[c] = f32_to_bf16(vr[c]);
+        }
+    }
+    return 0;
 }
 
 /* rows x cols elements from src to dst (their row strides apart), widened to fp32 or narrowed

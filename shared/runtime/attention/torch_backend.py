@@ -63,7 +63,7 @@ class TorchDecodeMetadata(StoreThenAttend):
         _, num_kv_heads, context = rows.k_rows.shape
         group = num_heads // num_kv_heads
         v_rows = rows.per_query_head(group)
-        keys = kv_layer[0].view(-1, head_dim).index_select(0, rows.k_rows.view(-1))
+        keys = kv_layer[0].view(-1, head_dim).index_select(0, rows.k_rows.view(-1)).to(q.dtype)
         scores = torch.baddbmm(
             rows.mask.to(q.dtype),
             q.reshape(batch * num_kv_heads, group, head_dim),
@@ -71,6 +71,10 @@ class TorchDecodeMetadata(StoreThenAttend):
             alpha=self.scale,
         )
         probs = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax; no-op casts in fp32
+        if kv_layer.dtype != q.dtype:  # a bf16 cache under an fp32 model: V widened as read
+            values = kv_layer[1].view(-1, head_dim).index_select(0, rows.k_rows.view(-1))
+            values = values.view(batch * num_kv_heads, context, head_dim).to(q.dtype)
+            return torch.bmm(probs, values).view(batch, num_heads, head_dim)
         out = F.embedding_bag(
             v_rows,
             kv_layer[1].view(-1, head_dim),
