@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from shared.engine.outputs import (
 from shared.engine.prefill import PrefillEngine
 from shared.models.tiny.builder import ensure_tiny_model, model_dir_name
 from shared.runtime import ModelRunner, SamplingParams, Sequence
+from shared.runtime.kv_codec import KVCodec
 from shared.runtime.logprobs import Entry, StepLogprobs
 
 MODELS_DIR = REPO_ROOT / "models"
@@ -339,6 +341,75 @@ def assert_idle(engine: EngineCore) -> None:
     assert bm.num_free_blocks == bm.num_blocks, (engine.kind, bm.num_used_blocks)
     assert not engine.requests and not engine.has_work(), engine.kind
     assert engine.num_running == engine.num_waiting == 0
+
+
+def scattered_tables(
+    context_lens: list[int], num_blocks: int, block_size: int
+) -> tuple[list[list[int]], list[int]]:
+    """Block tables of sequences of ``context_lens`` over blocks in a shuffled order (as a busy
+    pool hands them out), and each sequence's slot for its newest token."""
+    blocks = random.Random(0).sample(range(num_blocks), num_blocks)
+    tables, slots, start = [], [], 0
+    for n in context_lens:
+        nblk = (n + block_size - 1) // block_size
+        tables.append(blocks[start : start + nblk])
+        start += nblk
+        slots.append(tables[-1][(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    return tables, slots
+
+
+def assert_prefix_chunk_reads_the_cache(
+    codec: KVCodec,
+    cache: torch.Tensor,
+    widened: torch.Tensor,
+    rounding: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """A prefill chunk after a cached prefix, over ``cache`` (a layer of ``codec``'s rows), as
+    fp32 attention over ``widened`` (the same values in fp32) with the chunk's own K/V passed
+    through ``rounding`` (the codec's): a chunk reads its own K/V back from the cache too."""
+    from shared.runtime.attention import TorchAttentionBackend
+    from shared.runtime.kv_codec import make_kv_codec
+
+    num_blocks, bs, hkv, d = widened.shape[1:]
+    prefix, n, table = 20, 9, [5, 2]
+    slots = [table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)]
+    q, k, v = torch.randn(n, 2 * hkv, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    outs = []
+    rounded = (rounding(k), rounding(v))
+    for c, layer, kv in ((codec, cache, (k, v)), (make_kv_codec("auto"), widened, rounded)):
+        backend = TorchAttentionBackend(num_blocks, bs, hkv, d**-0.5, torch.device("cpu"), c)
+        meta = backend.prefill_metadata(slots, [table], [n], [prefix + n])
+        outs.append(meta.forward(q, kv[0], kv[1], layer.clone()))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+PAIR_PROMPTS = [
+    [(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 19, 40, 77))
+]
+
+
+def cache_pair_agreement(model: Path, folder: Path, transport: str, kv_cache_dtype: str) -> float:
+    """Greedy tokens (24 a prompt of :data:`PAIR_PROMPTS`) through a prefill/decode pair over
+    ``transport`` whose caches are ``kv_cache_dtype``, every KV through the transport, against
+    the same pair's with the model's own dtype ("auto"): the share of tokens that agree position
+    by position."""
+    prompts = PAIR_PROMPTS
+    outputs = {}
+    for dtype in ("auto", kv_cache_dtype):
+        kw = {"kv_cache_dtype": dtype}
+        with EnginePair.build(model, folder / dtype, transport=transport, prefill=kw,
+                              decode=kw) as pair:  # fmt: skip
+            for i, prompt in enumerate(prompts):
+                assert pair.add(f"r{i}", prompt, greedy(24, ignore_eos=True)) is AddResult.ADDED
+            outputs[dtype] = pair.run()
+            assert len(pair.loads) == len(prompts)  # every KV went through the transport
+            pair.assert_clean()
+    same = sum(
+        a == b
+        for rid in outputs["auto"]
+        for a, b in zip(outputs["auto"][rid], outputs[kv_cache_dtype][rid], strict=True)
+    )
+    return same / (24 * len(prompts))
 
 
 def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:

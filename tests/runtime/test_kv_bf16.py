@@ -5,18 +5,23 @@ and a prefill/decode pair over each CPU transport."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.cpu.paged_decode_attention import load_kernel
-from shared.engine.outputs import AddResult
 from shared.runtime.attention import TorchAttentionBackend
 from shared.runtime.kv_codec import make_kv_codec
 from shared.runtime.loader import keeps_packed
-from tests.runtime.helpers import KV_TRANSPORTS, EnginePair, greedy, make_runner, tiny_model_dir
+from tests.runtime.helpers import (
+    KV_TRANSPORTS,
+    assert_prefix_chunk_reads_the_cache,
+    cache_pair_agreement,
+    make_runner,
+    scattered_tables,
+    tiny_model_dir,
+)
 
 BF16, AUTO = make_kv_codec("bfloat16"), make_kv_codec("auto")
 CPU = torch.device("cpu")
@@ -43,13 +48,7 @@ def _decode(
     """One decode step's attention over ``layer`` (the new rows stored first; ``round_new``:
     rounded to bf16 values beforehand) and the layer after it."""
     bs, hkv, d = layer.shape[2], layer.shape[3], layer.shape[4]
-    blocks = random.Random(0).sample(range(layer.shape[1]), layer.shape[1])
-    tables, slots, start = [], [], 0
-    for n in context_lens:
-        nblk = (n + bs - 1) // bs
-        tables.append(blocks[start : start + nblk])
-        start += nblk
-        slots.append(tables[-1][(n - 1) // bs] * bs + (n - 1) % bs)
+    tables, slots = scattered_tables(context_lens, layer.shape[1], bs)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(context_lens), hkv * group, d, generator=g)
     k, v = torch.randn(2, len(context_lens), hkv, d, generator=g)
@@ -82,19 +81,8 @@ def test_decode_over_bf16_equals_fp32_attention_over_the_rounded_values(
 
 
 def test_prefill_over_a_cached_prefix_reads_the_bf16_rows() -> None:
-    bs, hkv, d, num_blocks, prefix, n = 16, 2, 32, 8, 20, 9
-    cache = torch.randn(2, num_blocks, bs, hkv, d).to(torch.bfloat16)
-    table = [5, 2]
-    slots = [table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)]
-    q, k, v = torch.randn(n, 2 * hkv, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-    outs = []
-    rounded = (k.bfloat16().float(), v.bfloat16().float())
-    for codec, layer, kv in ((BF16, cache, (k, v)), (AUTO, cache.float(), rounded)):
-        backend = TorchAttentionBackend(num_blocks, bs, hkv, d**-0.5, CPU, codec)
-        meta = backend.prefill_metadata(slots, [table], [n], [prefix + n])
-        outs.append(meta.forward(q, *kv, layer.clone()))
-    # A chunk after a cached prefix reads its own K/V back from the cache too: rounded.
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    cache = torch.randn(2, 8, 16, 2, 32).to(torch.bfloat16)
+    assert_prefix_chunk_reads_the_cache(BF16, cache, cache.float(), lambda x: x.bfloat16().float())
 
 
 def test_a_bf16_cache_holds_twice_the_blocks_of_fp32() -> None:
@@ -106,27 +94,8 @@ def test_a_bf16_cache_holds_twice_the_blocks_of_fp32() -> None:
     assert bf16.num_kv_blocks == 2 * fp32.num_kv_blocks
 
 
-PROMPTS = [[(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 19, 40, 77))]
-
-
 @pytest.mark.parametrize("transport", KV_TRANSPORTS)
 def test_bf16_pair_serves_and_mostly_agrees_with_fp32(tmp_path: Path, transport: str) -> None:
-    model = tiny_model_dir("llama")
-    outputs = {}
-    for dtype in ("auto", "bfloat16"):
-        kw = {"kv_cache_dtype": dtype}
-        with EnginePair.build(
-            model, tmp_path / dtype, transport=transport, prefill=kw, decode=kw
-        ) as pair:
-            for i, prompt in enumerate(PROMPTS):
-                assert pair.add(f"r{i}", prompt, greedy(24, ignore_eos=True)) is AddResult.ADDED
-            outputs[dtype] = pair.run()
-            assert len(pair.loads) == len(PROMPTS)  # every KV went through the transport
-            pair.assert_clean()
-    same = sum(
-        a == b
-        for rid in outputs["auto"]
-        for a, b in zip(outputs["auto"][rid], outputs["bfloat16"][rid], strict=True)
-    )
-    # Random weights: near-ties everywhere, so a floor against a broken path, not a figure.
-    assert same / (24 * len(PROMPTS)) >= 0.5
+    share = cache_pair_agreement(tiny_model_dir("llama"), tmp_path, transport, "bfloat16")
+    # Random weights: near-ties everywhere, so a floor against a broken path.
+    assert share >= 0.5
