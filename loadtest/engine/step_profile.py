@@ -123,8 +123,9 @@ def run(
     computed = str(runner.dtype).removeprefix("torch.")
     label = f"{dtype} {weight_format}" + (f" (computed in {computed})" if computed != dtype else "")
     label += f" program {'on' if runner.model.decode_programs is not None else 'off'}"
-    label += f" kv {str(runner.kv_cache.dtype).removeprefix('torch.')}"
-    bm = BlockManager(runner.num_kv_blocks, runner.block_size)
+    cache_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
+    label += f" kv {cache_dtype}"
+    bm = BlockManager(runner.num_kv_blocks, runner.block_size, **runner.fp_slots_config())
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.context, ignore_eos=True)
@@ -186,7 +187,7 @@ def run(
     step = roofline.decode_floor(
         shape, computed, args.batch, (args.prompt + 3 * args.context) / 4, bw, decode_peak,
         weight_bytes=runner.model.weight_bytes(),
-        kv_dtype=None if runner.kv_codec.quantized else str(runner.kv_cache.dtype)[6:],
+        kv_dtype=None if runner.kv_codec.quantized else cache_dtype,
     )  # fmt: skip
     tiled = any(isinstance(m, Projection) and isinstance(m.packed, QuantWeight) and m.packed.tiled
                 for m in runner.model.modules())  # fmt: skip
