@@ -125,7 +125,11 @@ def run(
     label += f" program {'on' if runner.model.decode_programs is not None else 'off'}"
     cache_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
     label += f" kv {cache_dtype}"
-    bm = BlockManager(runner.num_kv_blocks, runner.block_size, **runner.fp_slots_config())
+    bm = BlockManager(
+        runner.num_kv_blocks, runner.block_size, True,
+        num_device_blocks=runner.tiers.num_device_blocks, kv_window=runner.model_config.kv_window,
+        **runner.fp_slots_config(),
+    )  # fmt: skip
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.context, ignore_eos=True)
