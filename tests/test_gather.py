@@ -27,12 +27,12 @@ def _request(i: int, tokens: int = 128) -> Received:
     return Received(msg, None)  # type: ignore[arg-type] # the gather never settles deliveries
 
 
-def _prefill(tokens_per_s: float) -> PrefillService:
+def _prefill(tokens_per_s: float, batch_wait_s: float = 0.01) -> PrefillService:
     """The gather's state alone: no broker, no engine (the loop around it is the shell's)."""
     service = object.__new__(PrefillService)
     service.inbox = deque()
     service._wake = asyncio.Event()
-    service.batch_wait_s, service.batch_wait_max_s = 0.01, 0.05
+    service.batch_wait_s, service.batch_wait_max_s = batch_wait_s, 0.05
     service.tokens_per_s = tokens_per_s
     return service
 
@@ -68,9 +68,10 @@ def test_a_burst_led_by_a_lone_request_joins_its_first_wave() -> None:
 
 
 def test_a_lone_request_goes_alone_after_its_wait_and_at_once_before_any_forward() -> None:
-    service = _prefill(tokens_per_s=1000.0)
+    service = _prefill(tokens_per_s=1000.0)  # waits its 10 ms cap, not for the one at 0.2 s
     gathered, took = asyncio.run(_gather_with_arrivals(service, [0.2]))
     assert gathered == 1 and 0.008 < took < 0.15
-    service = _prefill(tokens_per_s=0.0)
+    # No forward measured yet: no wait, where the cap (150 ms) would have shown.
+    service = _prefill(tokens_per_s=0.0, batch_wait_s=0.15)
     gathered, took = asyncio.run(_gather_with_arrivals(service, [0.2]))
-    assert gathered == 1 and took < 0.005
+    assert gathered == 1 and took < 0.1

@@ -12,9 +12,9 @@ What it records: fp32 and bf16 models on the CPU whose layers run the decode eng
 (fused norms and SiLU * up, the C RoPE, projections as dense tiles of the model's dtype or packed
 GGUF weights on their int8 kernel) without sliding windows or q/k norms, over a KV cache of the
 model's dtype (or bf16 under an fp32 model, its rows rounded as stored) read by the C attention
-kernel. A bf16 model's step converts where its eager
-forward does (q to fp32 for the attention kernel and its output back; a packed weight's x and
-y around the int8 kernel), with torch's rounding, and adds its residual as torch adds bf16.
+kernel. A bf16 model's step converts where its eager forward does (q to fp32 for the attention
+kernel and its output back; a packed weight's x and y around the int8 kernel), with torch's
+rounding, and adds its residual as torch adds bf16.
 Anything else (and any step whose metadata is not that kernel's) runs the eager forward.
 Where the engine follows its thread budget between layers (``LayerProgress``: the decode
 service's CPU sharing), a step runs a layer a call, each at the thread count its layer starts

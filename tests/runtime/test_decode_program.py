@@ -101,6 +101,9 @@ def test_the_real_model_decodes_as_the_eager_forward(weight_format: str, dtype: 
                          dtype=dtype)  # fmt: skip
     with torch_threads(2):
         runner = ModelRunner(config, role="decode")
+        # "auto" keeps the model's dtype, but packed weights' cache is bf16 (kv_codec.py).
+        packed = weight_format == "packed"
+        assert runner.kv_cache.dtype == (torch.bfloat16 if packed else runner.dtype)
         if runner.model.decode_programs is None:
             assert runner.dtype != torch.float32
             pytest.skip(f"this CPU computes {dtype} without a {runner.dtype} program")

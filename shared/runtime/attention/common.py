@@ -107,9 +107,8 @@ def store_kv_torch(
     codec: KVCodec = FLOAT_KV,
 ) -> None:
     flat = kv_layer.flatten(1, 2)  # [2, num_slots, Hkv, row width], a view
-    # A float cache of another dtype than the rows (bf16 under an fp32 model) rounds them here.
-    flat[0].index_copy_(0, slot_mapping, codec.encode(k).to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, codec.encode(v).to(flat.dtype))
+    flat[0].index_copy_(0, slot_mapping, codec.encode(k))
+    flat[1].index_copy_(0, slot_mapping, codec.encode(v))
 
 
 def block_table_tensor(

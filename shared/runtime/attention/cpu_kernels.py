@@ -12,6 +12,7 @@ from kernels.cpu.paged_decode_attention import DecodeKernel, KernelBatch
 from kernels.cpu.prefill_attention import FreshPrompts, PrefillKernel
 from shared.runtime.attention.common import StoreThenAttend, store_kv_torch
 from shared.runtime.decode_rows import window_starts
+from shared.runtime.kv_codec import KVCodec
 
 
 @dataclass
@@ -23,10 +24,11 @@ class CpuKernelDecodeMetadata(StoreThenAttend):
     rows: KernelBatch  # block tables and context lengths, checked once per step
     scale: float
     kernel: DecodeKernel
+    codec: KVCodec  # how the new rows are stored (a float cache: the model's dtype, or bf16)
     _windowed: dict[int, KernelBatch] = field(default_factory=dict)
 
     def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                window: int | None) -> torch.Tensor:  # fmt: skip

@@ -52,9 +52,10 @@ class TorchDecodeMetadata(StoreThenAttend):
     slot_mapping: torch.Tensor  # int64 [B]
     batch: DecodeBatch
     scale: float
+    codec: KVCodec  # a float cache: the model's dtype, or bf16 (widened as it is read)
 
     def store_new(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> None:
-        store_kv_torch(k, v, kv_layer, self.slot_mapping)
+        store_kv_torch(k, v, kv_layer, self.slot_mapping, self.codec)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                window: int | None) -> torch.Tensor:  # fmt: skip
@@ -62,8 +63,8 @@ class TorchDecodeMetadata(StoreThenAttend):
         batch, num_heads, head_dim = q.shape
         _, num_kv_heads, context = rows.k_rows.shape
         group = num_heads // num_kv_heads
-        v_rows = rows.per_query_head(group)
-        keys = kv_layer[0].view(-1, head_dim).index_select(0, rows.k_rows.view(-1)).to(q.dtype)
+        keys = kv_layer[0].view(-1, head_dim).index_select(0, rows.k_rows.view(-1))
+        keys = self.codec.decode(keys, q.dtype)
         scores = torch.baddbmm(
             rows.mask.to(q.dtype),
             q.reshape(batch * num_kv_heads, group, head_dim),
@@ -73,8 +74,9 @@ class TorchDecodeMetadata(StoreThenAttend):
         probs = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax; no-op casts in fp32
         if kv_layer.dtype != q.dtype:  # a bf16 cache under an fp32 model: V widened as read
             values = kv_layer[1].view(-1, head_dim).index_select(0, rows.k_rows.view(-1))
-            values = values.view(batch * num_kv_heads, context, head_dim).to(q.dtype)
+            values = self.codec.decode(values, q.dtype).view(batch * num_kv_heads, context, -1)
             return torch.bmm(probs, values).view(batch, num_heads, head_dim)
+        v_rows = rows.per_query_head(group)
         out = F.embedding_bag(
             v_rows,
             kv_layer[1].view(-1, head_dim),
@@ -274,6 +276,7 @@ class TorchAttentionBackend:
                 KernelBatch(tables, lens_tensor, context, bs),
                 self.scale,
                 self.decode_kernel,
+                self.codec,
             )
         slot_tensor = torch.tensor(slot_mapping, dtype=torch.int64, device=dev)
         if isinstance(self.codec, Int8KV):
@@ -284,7 +287,7 @@ class TorchAttentionBackend:
             return TorchQuantDecodeMetadata(store, batch8, self.scale, self.num_kv_heads)
         lens = torch.tensor(context_lens, dtype=torch.int64, device=dev)
         batch = DecodeBatch(tables, lens, bs, self.num_kv_heads)
-        return TorchDecodeMetadata(slot_tensor, batch, self.scale)
+        return TorchDecodeMetadata(slot_tensor, batch, self.scale, self.codec)
 
     def prefill_metadata(
         self,
