@@ -146,16 +146,20 @@ class BatonConfig:
     # the build has it; "library" = oneDNN's / MKL's packed forms. See
     # kernels/cpu/dense_tiles.py and shared/runtime/linear_layout.py.
     decode_linear: str = "tiles"
-    # How the prefill engine runs a GGUF file's packed Q8_0 / Q4_0 / Q4_1 projections, where the
-    # build has the tiled kernels (AVX-512 VNNI or AVX2; else "exact"): "int16" = activations in
-    # two bytes a value per block (an error 1/256 of int8's; a prompt's first token is the
-    # dequantized model's but at near-ties), ~2x SGEMM's speed with AVX-512 VNNI ("exact" where
-    # it gains nothing: AVX2 tiles, or bf16 compute on a CPU with a bf16 GEMM); "int8" = the
-    # decode step's kernel (activations rounded to int8 per block, as llama.cpp does), ~4x
-    # (AVX2 ~2x), and a near-tie's first token can move; "exact" = each weight dequantized once
-    # a wave for SGEMM (a bf16 GEMM for bf16 compute). The head is exact either way. See
+    # How the prefill engine runs a GGUF file's packed Q8_0 / Q4_0 / Q4_1 projections: "auto" =
+    # "bf16x3" where the CPU has AMX, else "int16" with AVX-512 VNNI, else "exact". "bf16x3" =
+    # from 64 rows the layer dequantized once a call, activations and weights each split into
+    # two bf16s, three AMX tile products (~4e-6 of the outputs' norm, below int16's error;
+    # fewer rows take int16); "int16" = activations in two bytes a value per block (an error
+    # 1/256 of int8's; a prompt's first token is the dequantized model's but at near-ties),
+    # ~2x SGEMM's speed with AVX-512 VNNI (on AMX's int8 tiles where the CPU has them, the same
+    # result); "int8" = the decode step's kernel (activations rounded to int8 per block, as
+    # llama.cpp does), ~4x (AVX2 ~2x), and a near-tie's first token can move; "exact" = each
+    # weight dequantized once a wave for SGEMM (a bf16 GEMM for bf16 compute). A choice the CPU
+    # cannot run or gains nothing from (bf16x3 without AMX, int16 with AVX2 tiles, bf16 compute
+    # on a CPU with a bf16 GEMM) is "exact". The head is exact either way. See
     # shared/runtime/linear_layout.py `packed_form`.
-    packed_prefill: str = "int16"
+    packed_prefill: str = "auto"
     # The CPU decode engine's fp32 layers as one native call a step (the same kernels and
     # arguments, bit-identical): no Python between a layer's kernels, where the model's forms
     # allow it. See shared/runtime/decode_program.py.

@@ -120,6 +120,10 @@ def test_packed_weights_floor_their_decode_step_at_their_bytes_and_arithmetic() 
                               prefill_body_gflops=roofline.packed_gflops(arith, 400.0))  # fmt: skip
         want = (20_096 - body) / 100e9 + body * passes / 400e9
         assert r["prefill"]["floor_s"] == pytest.approx(want)
+    # bf16x3 (the split kernel): three bf16 tile products per product, at the bf16 GEMM's peak
+    assert roofline.packed_gflops("bf16x3", 400.0, 900.0) == pytest.approx(300.0)
+    with pytest.raises(ValueError, match="bf16"):
+        roofline.packed_gflops("bf16x3", 400.0)
 
 
 def test_the_int8_probe_runs() -> None:

@@ -17,15 +17,18 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
   high byte, the int8 kernel's rounding, and a low byte for what it left), two integer dots a
   (weight block, x block) pair combined exactly in int32: the int8 kernel's float work, twice
   its integer work, an error 1/256 of its (~4e-5 of the outputs' norm). About half the int8
-  kernel's speed and twice SGEMM's at a prompt's rows: the prefill engine's form
-  (shared/runtime/linear_layout.py, ``packed_form``). An untiled weight takes dequantize +
-  SGEMM instead.
+  kernel's speed and twice SGEMM's at a prompt's rows (AVX-512 VNNI): the prefill engine's
+  form (shared/runtime/linear_layout.py, ``packed_form``). From 16 rows it runs on AMX's int8
+  tiles where the CPU has them (csrc/quant_tiles_amx.h), the same bits. An untiled weight takes
+  dequantize + SGEMM instead.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly
-  ``F.linear(x, dequantize(W), b)``. (An LM head meets it only when logits of many positions
-  are asked for; its fp32 copy, hundreds of MB for a large vocabulary, is then made per call,
-  not kept.)
+  ``F.linear(x, dequantize(W), b)``; or, where ``many_rows`` is "split" and the CPU has AMX,
+  by the split-bf16 kernel (kernels/cpu/split_bf16.py: x and w each two bf16s, three tile
+  products; ~4e-6 of the outputs' norm), the prefill engine's "bf16x3". (An LM head meets
+  it only when logits of many positions are asked for; its fp32 copy, hundreds of MB for a
+  large vocabulary, is then made per call, not kept.)
 
 Without a C compiler every call is ``F.linear(x, quant_formats.dequantize(W), b)``.
 
@@ -61,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import cpu_isa, onednn_pack
+from kernels.cpu import cpu_isa, onednn_pack, split_bf16
 from kernels.cpu.build import CSRC, load_library, split_parts
 from kernels.cpu.quant_formats import (
     BLOCK,
@@ -81,6 +84,9 @@ INT8_MAX_ROWS = 128
 # The small-M kernels: "f32" (dequantize in registers, fp32 FMA) or "int8" (x rounded to int8).
 SMALL_MODES = ("f32", "int8", "int16")
 SMALL_MODE = "int8"  # the fp32 kernel is about half its speed (the module docstring)
+# What fp32 calls above small_max_rows run: "sgemm" (dequantize + SGEMM, exact up to the sums'
+# order) or "split" (dequantize, split into bf16 pairs, AMX: kernels/cpu/split_bf16.py).
+MANY_ROWS = ("sgemm", "split")
 # Rows up to which the fp32 kernel runs by default: it beats dequantize + SGEMM at 16 rows, loses
 # at 64 (the module docstring).
 F32_MAX_ROWS = 16
@@ -156,7 +162,9 @@ class QuantKernels:
     def _attach_tiles(self, lib: ctypes.CDLL) -> None:
         self._tiles_linear = lib.baton_quant_tiles_linear
         self._tiles_linear_wide = lib.baton_quant_tiles_linear_wide
-        for fn in (self._tiles_linear, self._tiles_linear_wide):
+        # the wide kernel on vpdpbusd whatever the CPU (what AMX's tiles are checked against)
+        self._tiles_linear_wide_vnni = lib.baton_quant_tiles_linear_wide_vnni
+        for fn in (self._tiles_linear, self._tiles_linear_wide, self._tiles_linear_wide_vnni):
             fn.argtypes, fn.restype = self._linear.argtypes, ctypes.c_int
         self._tiles_pack = lib.baton_quant_tiles_pack
         self._tiles_pack.argtypes = [_P, _I, _I, _I, _P]
@@ -170,8 +178,12 @@ class QuantKernels:
         rows.argtypes, rows.restype = [], ctypes.c_int64
         isa = lib.baton_quant_tiles_path
         isa.argtypes, isa.restype = [], ctypes.c_char_p
+        wide_isa = lib.baton_quant_tiles_wide_path
+        wide_isa.argtypes, wide_isa.restype = [], ctypes.c_char_p
         self.tile_rows = int(rows())
         self.tiles_isa = isa().decode()  # "avx512-vnni", "avx2" or "none"
+        # the wide kernel's unit from 16 rows: "amx-int8" (the same result), else tiles_isa
+        self.wide_isa: str = wide_isa().decode()
 
     def linear(
         self, raw: torch.Tensor, qtype: int, k: int, x: torch.Tensor, bias: torch.Tensor | None
@@ -197,11 +209,15 @@ class QuantKernels:
         x: torch.Tensor,
         bias: torch.Tensor | None,
         wide: bool = False,
+        amx: bool = True,
     ) -> torch.Tensor:
         """As :meth:`linear` over the :meth:`pack_tiles` form of an ``n``-row weight (the same
         rounding of x; the fp32 sums in another order); ``wide``: x in two bytes a value
-        (small_mode "int16")."""
-        fn = self._tiles_linear_wide if wide else self._tiles_linear
+        (small_mode "int16"), from 16 rows on AMX's tiles where :attr:`wide_isa` says so, unless
+        ``amx`` is False (the same result)."""
+        fn = self._tiles_linear
+        if wide:
+            fn = self._tiles_linear_wide if amx else self._tiles_linear_wide_vnni
         return self._run(fn, tiles.data_ptr(), int(qtype), n, k, x, bias)
 
     def _run(
@@ -293,13 +309,15 @@ _DEFAULT = object()  # a QuantWeight built without kernels: the process's, loade
 _scratch = threading.local()
 
 
-def _scratch_for(numel: int) -> torch.Tensor:
-    """An fp32 buffer of ``numel`` elements, this thread's (reused) up to SCRATCH_MAX_BYTES."""
-    if numel * 4 > SCRATCH_MAX_BYTES:
-        return torch.empty(numel, dtype=torch.float32)
-    buf: torch.Tensor | None = getattr(_scratch, "buf", None)
+def _scratch_for(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A buffer of ``numel`` elements of ``dtype``, this thread's (reused) up to
+    SCRATCH_MAX_BYTES."""
+    if numel * dtype.itemsize > SCRATCH_MAX_BYTES:
+        return torch.empty(numel, dtype=dtype)
+    buf: torch.Tensor | None = getattr(_scratch, str(dtype), None)
     if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, str(dtype), buf)
     return buf[:numel]
 
 
@@ -310,8 +328,10 @@ class QuantWeight:
     ``kernels``: the C kernels to run (None: the torch reference); by default the process's,
     loaded at first use. ``small_mode`` (:data:`SMALL_MODES`): the kernel for calls of up to
     ``small_max_rows`` rows (default :data:`F32_MAX_ROWS` for "f32", :data:`INT8_MAX_ROWS`
-    for "int8"); more rows take dequantize + SGEMM. Both are attributes a caller may set (e.g.
-    ``small_max_rows = 0``: always dequantize + SGEMM); ``select_rows`` and ``cat`` keep them.
+    for "int8"); more rows take dequantize + SGEMM (or the split-bf16 kernel where
+    ``many_rows``, :data:`MANY_ROWS`, is "split" and the CPU has AMX). All three are
+    attributes a caller may set (e.g. ``small_max_rows = 0``: always dequantize + SGEMM);
+    ``select_rows`` and ``cat`` keep them.
 
     :meth:`tile` regroups ``raw`` in place into tiles of 16 rows (csrc/quant_tiles.c) where the
     build has their int8 kernel (AVX-512 VNNI or AVX2): the decode engine's form. ``raw`` then
@@ -332,8 +352,12 @@ class QuantWeight:
         *,
         small_mode: str = SMALL_MODE,
         small_max_rows: int | None = None,
+        many_rows: str = "sgemm",
     ) -> None:
         self.qtype = as_qtype(qtype)
+        if many_rows not in MANY_ROWS:
+            raise ValueError(f"many_rows must be one of {MANY_ROWS}, got {many_rows!r}")
+        self.many_rows = many_rows
         if small_mode not in SMALL_MODES:
             raise ValueError(f"small_mode must be one of {SMALL_MODES}, got {small_mode!r}")
         self.small_mode = small_mode
@@ -397,8 +421,8 @@ class QuantWeight:
 
     def _like(self, raw: torch.Tensor) -> QuantWeight:
         return QuantWeight(raw, self.qtype, self.in_features, self._kernels,
-                           small_mode=self.small_mode,
-                           small_max_rows=self.small_max_rows)  # fmt: skip
+                           small_mode=self.small_mode, small_max_rows=self.small_max_rows,
+                           many_rows=self.many_rows)  # fmt: skip
 
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out_features, in_features]``, bit-equal to gguf-py's dequantize."""
@@ -500,6 +524,8 @@ class QuantWeight:
         elif small is not None:
             y = kernels._run(small, self._raw_ptr, self._qtype, self.out_features,
                              self.in_features, xf, b)  # fmt: skip
+        elif self.many_rows == "split" and split_bf16.available():
+            y = self.linear_split(xf, b)
         else:
             y = self.linear_dequantized(xf, b)
         return y if dtype == torch.float32 else y.to(dtype)
@@ -516,6 +542,16 @@ class QuantWeight:
         w = self._dequantize(scratch).to(torch.bfloat16)
         b = None if bias is None else bias.to(torch.bfloat16)
         return F.linear(x if x.stride(1) == 1 else x.contiguous(), w, b)
+
+    def linear_split(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The path above small_max_rows where ``many_rows`` is "split" (and the CPU has AMX):
+        the weight dequantized (fp32, exact) into this thread's scratch, split into bf16 pairs
+        (kernels/cpu/split_bf16.py), three tile products a chunk: ``F.linear(x,
+        self.dequantize(), bias)`` to ~4e-6 of the outputs' norm."""
+        n, k = self.out_features, self.in_features
+        w = self._dequantize(_scratch_for(n * k))
+        packed = split_bf16.pack(w, _scratch_for(split_bf16.packed_elems(n, k), torch.bfloat16))
+        return split_bf16.linear(x, packed, n, bias)
 
     def linear_dequantized(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The path above small_max_rows for any fp32 ``x``: the weight dequantized into this

@@ -275,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     probes["gemm_gflops"] = peak_gflops
     if arith == computed:
         probes["decode_gemm_gflops"] = peak_gflops
+    # The split kernel's peak (bf16x3 prefill): a third of the bf16 GEMM's.
+    bf16_peak = None
+    if prefill_arith in roofline.BF16_PASSES:
+        bf16_peak = probes["bf16_gemm_gflops"] = roofline.probe_gemm(
+            "bfloat16", *probes["gemm_shape"]
+        )
     report: dict[str, Any] = {
         "config": vars(args),
         "model": {"dir": str(model_dir), "config": model_cfg},
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_peak = float(probes["decode_gemm_gflops"])
         body_peak = None
         if prefill_arith != "exact":
-            body_peak = roofline.packed_gflops(prefill_arith, decode_peak)
+            body_peak = roofline.packed_gflops(prefill_arith, decode_peak, bf16_peak)
         body = flops["prefill_body_matmul"] if body_peak else 0.0
         rest = flops["total"] - flops["decode_matmul"] - body
         floor_s = (rest / (peak_gflops * 1e9) + flops["decode_matmul"] / (decode_peak * 1e9)

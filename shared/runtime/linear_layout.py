@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import dense_tiles, mkl_pack, onednn_pack
+from kernels.cpu import dense_tiles, mkl_pack, onednn_pack, split_bf16
 from kernels.cpu.dense_tiles import DenseTileWeight
 from kernels.cpu.quant_linear import QuantWeight, bf16_gemm, load_quant_kernels
 from shared.runtime.model import CausalLM, Projection
@@ -65,14 +65,17 @@ ROLES = (None, "prefill", "decode")
 MAX_PACKED_GROWTH = 1.25
 
 
-PACKED_PREFILLS = ("int16", "int8", "exact")  # BATON_PACKED_PREFILL
+PACKED_PREFILLS = ("auto", "bf16x3", "int16", "int8", "exact")  # BATON_PACKED_PREFILL
+# Rows from which "bf16x3" runs the split kernel; fewer take the wide (int16) tiled kernel: the
+# weight's dequantize and split, once a call, cost more than the tiles save on a few rows.
+SPLIT_MIN_ROWS = 64
 
 
 def packed_form(
     weight: QuantWeight,
     role: str | None,
     head: bool,
-    prefill: str = "int16",
+    prefill: str = "auto",
     dtype: torch.dtype = torch.float32,
 ) -> None:
     """The form a GGUF weight kept quantized takes in an engine of ``role``.
@@ -82,40 +85,61 @@ def packed_form(
     them) and a tiled kernel runs every row count: they keep their lead over dequantize + SGEMM
     at a prompt's hundreds of rows too (docs/perf-log.md, "Packed prefill on the tiles"), and a
     sequence's numbers do not depend on the batch it decodes in. Decode (and an engine without
-    a role) takes the int8 kernel. The prefill engine takes ``prefill``'s (BATON_PACKED_PREFILL):
-    "int16", x in two bytes a value (an error 1/256 of int8's: a prompt's KV and first token
-    are the dequantized model's but at near-ties; ~2x SGEMM's speed with AVX-512 VNNI; "exact"
-    where it gains nothing, :func:`prefill_arith`), or "int8" (~4x, ~2x with AVX2, and the
-    first token of a near-tie moves: llama.cpp's arithmetic). ``dtype``: the model's. With
-    "exact", or without the tiled kernels, a prefill weight is dequantized once a wave for
-    SGEMM (up to fp32 summation order; a bf16 model through a bf16 GEMM of the weight rounded
-    to bf16 where the CPU has one). The prefill engine's head is exact whatever the choice: it
-    serves one row per sequence, by the fp32 kernel (dequantized in registers), not a 113 MB
-    fp32 copy of a 135M model's vocabulary per wave."""
+    a role) takes the int8 kernel. The prefill engine takes :func:`prefill_arith`'s arithmetic
+    (BATON_PACKED_PREFILL; "auto": the most exact of the fast ones this CPU has):
+
+    - "bf16x3" (AMX): from SPLIT_MIN_ROWS rows the weight is dequantized once a call and x and
+      w each split into two bf16s, three tile products (kernels/cpu/split_bf16.py: ~4e-6 of
+      the outputs' norm, below int16's error), fewer rows the int16 kernel;
+    - "int16", x in two bytes a value (an error 1/256 of int8's: a prompt's KV and first token
+      are the dequantized model's but at near-ties; ~2x SGEMM's speed with AVX-512 VNNI, on
+      AMX's int8 tiles where the CPU has them, the same result);
+    - "int8" (~4x, ~2x with AVX2, and the first token of a near-tie moves: llama.cpp's
+      arithmetic);
+    - "exact": dequantized once a wave for SGEMM (up to fp32 summation order; a bf16 model
+      through a bf16 GEMM of the weight rounded to bf16 where the CPU has one).
+
+    ``dtype``: the model's. The prefill engine's head is exact whatever the choice: it serves
+    one row per sequence, by the fp32 kernel (dequantized in registers), not a 113 MB fp32 copy
+    of a 135M model's vocabulary per wave."""
+    arith = prefill_arith(prefill, dtype) if role == "prefill" else None
     if role == "prefill" and head:
         weight.small_mode, weight.small_max_rows = "f32", 1 << 62
-    elif role == "prefill" and prefill_arith(prefill, dtype) == "exact":
+    elif arith == "exact":
         weight.small_max_rows = 0
     elif weight.tile():
-        if role == "prefill":
-            weight.small_mode = prefill
+        if arith == "bf16x3":
+            weight.small_mode, weight.many_rows = "int16", "split"
+            weight.small_max_rows = SPLIT_MIN_ROWS - 1
+            return
+        if arith is not None:
+            weight.small_mode = arith
         if weight.small_mode != "f32":
             weight.small_max_rows = 1 << 62
 
 
 def prefill_arith(prefill: str, dtype: torch.dtype = torch.float32) -> str:
     """What the prefill engine of a ``dtype`` model computes packed projections in
-    (:func:`packed_form`): ``prefill`` (BATON_PACKED_PREFILL), or "exact" where the build has no
-    tiled kernels, and for "int16" where it gains nothing (docs/perf-log.md, "Packed prefill on
-    the tiles"): with AVX2 tiles two-byte x runs at SGEMM's pace, and a bf16 model on a CPU with
-    a bf16 GEMM rounds x to bf16 anyway, where that GEMM is the faster."""
+    (:func:`packed_form`) for ``prefill`` (BATON_PACKED_PREFILL). "auto": "bf16x3" where the
+    CPU has AMX, else "int16" where it gains (below), else "exact". A choice this CPU cannot
+    run or gains nothing from is "exact": without the tiled kernels everything but "exact";
+    "bf16x3" without AMX; "int16" with AVX2 tiles (two-byte x runs at SGEMM's pace there:
+    docs/perf-log.md, "Packed prefill on the tiles"). A bf16 model on a CPU with a bf16 GEMM
+    takes "exact" for "auto", "bf16x3" and "int16": it rounds x to bf16 anyway, and that GEMM
+    is the faster."""
     kernels = load_quant_kernels()
     isa = "none" if kernels is None or kernels.tile_rows == 0 else kernels.tiles_isa
-    if isa == "none":
+    if isa == "none" or prefill == "exact":
         return "exact"
-    if prefill == "int16" and (isa != "avx512-vnni" or (dtype == torch.bfloat16 and bf16_gemm())):
+    if prefill == "int8":
+        return prefill
+    if dtype == torch.bfloat16 and bf16_gemm():
         return "exact"
-    return prefill
+    if prefill in ("auto", "bf16x3") and dtype == torch.float32 and split_bf16.available():
+        return "bf16x3"
+    if prefill in ("auto", "int16") and isa == "avx512-vnni":
+        return "int16"
+    return "exact"
 
 
 DECODE_LINEARS = ("tiles", "library")  # BATON_DECODE_LINEAR
@@ -150,7 +174,7 @@ def prepare_projections(
     model: nn.Module,
     role: str | None = None,
     decode_linear: str = "tiles",
-    packed_prefill: str = "int16",
+    packed_prefill: str = "auto",
     dtype: torch.dtype = torch.float32,
 ) -> int:
     """Transpose every :class:`Projection`'s weight and, where dense tiles (the decode role,

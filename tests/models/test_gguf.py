@@ -171,14 +171,15 @@ def test_q8_0_packed_decodes_like_the_dequantized_model(variants: dict[str, Path
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
 
 
-@pytest.mark.parametrize("packed_prefill", ["int16", "int8", "exact"])
+@pytest.mark.parametrize("packed_prefill", ["auto", "bf16x3", "int16", "int8", "exact"])
 def test_the_prefill_engines_packed_forms(smollm2: Path, packed_prefill: str) -> None:
     """The prefill engine's projections: "int16" and "int8" run the tiled kernels at a prompt's
-    row counts (where the build has them), "exact" dequantizes for SGEMM; the head is exact
-    (the fp32 kernel) either way. A long prompt's last logits against the dequantized model's:
-    int16's within a hair of them, int8's moved by its rounding but for the same token."""
+    row counts (where the build has them), "bf16x3" the split kernel from SPLIT_MIN_ROWS rows
+    (where the CPU has AMX), "exact" dequantizes for SGEMM; the head is exact (the fp32 kernel)
+    either way. A long prompt's last logits against the dequantized model's: int16's and
+    bf16x3's within a hair of them, int8's moved by its rounding but for the same token."""
     from kernels.cpu.quant_linear import load_quant_kernels
-    from shared.runtime.linear_layout import prefill_arith
+    from shared.runtime.linear_layout import SPLIT_MIN_ROWS, prefill_arith
     from tests.runtime.helpers import make_runner
 
     model_dir = gguf_model_dir(smollm2)
@@ -187,15 +188,16 @@ def test_the_prefill_engines_packed_forms(smollm2: Path, packed_prefill: str) ->
     gate_up = runner.model.get_submodule("layers.0.mlp.gate_up_proj")
     assert isinstance(gate_up, Projection) and isinstance(gate_up.packed, QuantWeight)
     arith = prefill_arith(packed_prefill, torch.float32)
-    assert arith in (packed_prefill, "exact")
+    assert arith in (packed_prefill, "exact") or packed_prefill == "auto"
     kernels = load_quant_kernels()
     if packed_prefill == "int8" and kernels is not None and kernels.tile_rows > 0:
         assert arith == "int8"
     tiled = arith != "exact"
     assert gate_up.packed.tiled == tiled
-    assert (gate_up.packed.small_mode, gate_up.packed.small_max_rows) == (
-        (packed_prefill, 1 << 62) if tiled else ("int8", 0)
-    )
+    assert (gate_up.packed.small_mode, gate_up.packed.small_max_rows, gate_up.packed.many_rows) == (
+        ("int16", SPLIT_MIN_ROWS - 1, "split") if arith == "bf16x3"
+        else (arith, 1 << 62, "sgemm") if tiled else ("int8", 0, "sgemm")
+    )  # fmt: skip
     head = runner.model.lm_head.packed
     assert isinstance(head, QuantWeight) and head.small_mode == "f32"
     # 160 rows: past the row layout's int8 limit (INT8_MAX_ROWS), where "exact" dequantizes.
@@ -207,7 +209,7 @@ def test_the_prefill_engines_packed_forms(smollm2: Path, packed_prefill: str) ->
     off = float((got - exact).abs().max())
     if not tiled:
         assert off < 1e-3  # fp32 sums in another order
-    elif arith == "int16":
+    elif arith in ("int16", "bf16x3"):
         assert off < 0.05
     else:  # int8's rounding moves the logits by tenths
         assert 0.05 < off < 3.0

@@ -188,3 +188,24 @@ def test_the_prefill_engine_keeps_two_byte_x_where_it_gains() -> None:
     assert prefill_arith("int16") == ("int16" if vnni else "exact")
     bf16 = "int16" if vnni and not bf16_gemm() else "exact"
     assert prefill_arith("int16", torch.bfloat16) == bf16
+
+
+def test_auto_takes_the_split_kernel_where_the_cpu_has_amx() -> None:
+    """BATON_PACKED_PREFILL=auto (the default): bf16x3 where the split kernel runs (AMX), else
+    int16 where it gains, else exact; bf16x3 asked for elsewhere is exact; a bf16 model on a
+    CPU with a bf16 GEMM takes its exact path whatever is asked but int8."""
+    from kernels.cpu import split_bf16
+    from kernels.cpu.quant_linear import bf16_gemm, load_quant_kernels
+    from shared.config import BatonConfig
+    from shared.runtime.linear_layout import prefill_arith
+
+    assert BatonConfig().packed_prefill == "auto"
+    kernels = load_quant_kernels()
+    isa = "none" if kernels is None or kernels.tile_rows == 0 else kernels.tiles_isa
+    split = isa != "none" and split_bf16.available()
+    int16 = prefill_arith("int16")
+    assert prefill_arith("auto") == ("bf16x3" if split else int16)
+    assert prefill_arith("bf16x3") == ("bf16x3" if split else "exact")
+    if bf16_gemm():
+        for choice in ("auto", "bf16x3", "int16"):
+            assert prefill_arith(choice, torch.bfloat16) == "exact"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import quant_linear as cpu_quant_linear
-from kernels.cpu.quant_formats import BLOCK, QuantType, block_bytes, dequantize
+from kernels.cpu.quant_formats import BLOCK, QuantType, block_bytes, dequantize, quantize
 from kernels.cpu.quant_linear import QuantKernels, QuantWeight, load_quant_kernels
 from tests.runtime.helpers import built_or_skip
 from tests.runtime.test_quant_linear import (
@@ -115,6 +115,28 @@ def test_the_row_layouts_kernel_up_to_summation_order(
     w = dequantize(raw, qtype, 576)
     tol = 1e-5 * (x.abs() @ w.abs().T)
     assert bool(((tiled - rows).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_wide_kernel_on_amx_is_vpdpbusds_bit_for_bit(
+    kernels: QuantKernels, qtype: QuantType
+) -> None:
+    """From 16 rows the wide kernel runs on AMX's int8 tiles where the CPU grants them
+    (csrc/quant_tiles_amx.h): the same integer dots, the same float steps in the same order, so
+    the same bits as vpdpbusd's, whatever the rows (a partial last tile), the groups (a partial
+    last group), a bias or x's row stride."""
+    if kernels.wide_isa != "amx-int8":
+        pytest.skip(f"the wide kernel runs on {kernels.wide_isa} here")
+    g = torch.Generator().manual_seed(int(qtype))
+    for n, k, m in ((16, 32, 16), (33, 64, 17), (100, 576, 48), (577, 1536, 131)):
+        raw = quantize(torch.randn(n, k, generator=g) * 0.05, qtype)
+        tiles = kernels.pack_tiles(raw, qtype, k)
+        x = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows 2k apart
+        b = torch.randn(n, generator=g)
+        for bias in (None, b):
+            amx = kernels.linear_tiles(tiles, qtype, n, k, x, bias, wide=True)
+            vnni = kernels.linear_tiles(tiles, qtype, n, k, x, bias, wide=True, amx=False)
+            assert torch.equal(amx, vnni), (qtype.name, n, k, m)
 
 
 def test_threads_batches_and_tiles_never_change_a_bit(kernels: QuantKernels) -> None:

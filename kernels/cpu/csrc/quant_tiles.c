@@ -32,13 +32,16 @@
  * kernel waiting at the start of every group.
  *
  * The kernel needs AVX-512 VNNI (Ice Lake, Sapphire Rapids, Zen 4); other builds report no tile
- * rows (baton_quant_tile_rows() == 0) and the weights keep their row layout. The regrouping and
+ * rows (baton_quant_tile_rows() == 0) and the weights keep their row layout. Where the CPU has
+ * AMX the wide kernel runs from AMX_MIN_ROWS rows on its int8 tiles (quant_tiles_amx.h), the
+ * same bits. The regrouping and
  * the dequantize of a tiled weight (all rows, or some by index: an embedding's lookup) are
  * portable C, the dequantize bit-equal to gguf-py's (contraction off: (d * q) + m rounds twice).
  *
  * Threads: each call splits its work into `parts` ranges on torch's OpenMP team (libgomp
  * resolves to the copy torch loaded, as in quant_linear.c): the x rows to quantize, then the
  * groups of 16 weight rows, contiguous ranges, in one parallel region. */
+#define _GNU_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -283,6 +286,8 @@ INLINE void group_rows(const int64_t qtype, const int wide, const int mr, const 
         _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_add_ps(acc[m], bv));
 }
 
+#include "quant_tiles_amx.h"
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TILE_PATH "avx2"
 #define TILE_ROWS TR
@@ -439,13 +444,18 @@ typedef void (*group_fn)(const uint8_t *, int64_t, const void *, int, int, float
 /* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w)^T + bias (or NULL), w the
  * tiles of n rows, x in one byte a value or two (wide). 0; -1 for an unknown type or k not a
  * multiple of 32; -2 if the quantized x cannot be allocated. */
-static int tiles_linear(const int wide, const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                        const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
-                        int64_t parts)
+static int tiles_linear(const int wide, const int amx, const uint8_t *w, int64_t qtype,
+                        int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx,
+                        const float *bias, float *y, int64_t parts)
 {
     const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
     if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
+#ifdef HAVE_AMX_INT8
+    /* the int8 kernel gains nothing there: its float work per block, not its dots, sets its pace */
+    if (wide && amx && m >= AMX_MIN_ROWS && amx_int8_permitted())
+        return amx_tiles_linear_wide(w, qtype, n, k, x, m, ldx, bias, y, parts);
+#endif
     const group_fn fn = qtype == QT_Q4_0   ? (wide ? group_q4_0_wide : group_q4_0)
                         : qtype == QT_Q4_1 ? (wide ? group_q4_1_wide : group_q4_1)
                                            : (wide ? group_q8_0_wide : group_q8_0);
@@ -484,16 +494,25 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
                              const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
                              int64_t parts)
 {
-    return tiles_linear(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(0, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* x in two bytes a value (xblock2): within 1/256 of the int8 kernel's rounding, at about twice
- * its integer work. */
+ * its integer work; from AMX_MIN_ROWS rows on AMX's tiles where the CPU grants them (the same
+ * result). */
 int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                                   const float *x, int64_t m, int64_t ldx, const float *bias,
                                   float *y, int64_t parts)
 {
-    return tiles_linear(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(1, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
+
+/* baton_quant_tiles_linear_wide on vpdpbusd whatever the CPU (what AMX's is checked against). */
+int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                       const float *x, int64_t m, int64_t ldx, const float *bias,
+                                       float *y, int64_t parts)
+{
+    return tiles_linear(1, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 #else
 #define TILE_PATH "none"
@@ -514,7 +533,23 @@ int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, in
 {
     return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
+
+int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                       const float *x, int64_t m, int64_t ldx, const float *bias,
+                                       float *y, int64_t parts)
+{
+    return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
 #endif
+
+/* Which unit the wide kernel runs on from AMX_MIN_ROWS rows: "amx-int8" or the tiles' path. */
+const char *baton_quant_tiles_wide_path(void)
+{
+#ifdef HAVE_AMX_INT8
+    if (amx_int8_permitted()) return "amx-int8";
+#endif
+    return TILE_PATH;
+}
 
 /* Rows a tile holds where this build has the kernel; 0: weights keep their row layout. */
 int64_t baton_quant_tile_rows(void) { return TILE_ROWS; }
