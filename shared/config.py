@@ -154,11 +154,13 @@ class BatonConfig:
     # 1/256 of int8's; a prompt's first token is the dequantized model's but at near-ties),
     # ~2x SGEMM's speed with AVX-512 VNNI (on AMX's int8 tiles where the CPU has them, the same
     # result); "int8" = the decode step's kernel (activations rounded to int8 per block, as
-    # llama.cpp does), ~4x (AVX2 ~2x), and a near-tie's first token can move; "exact" = each
+    # llama.cpp does), ~4x (AVX2 ~2x), and a near-tie's first token can move; "bf16" = x and
+    # the dequantized weight rounded to bf16, a bf16 GEMM (a bf16 model's arithmetic, vLLM's
+    # bf16), ~2x bf16x3's pace on AMX, and a near-tie's first token can move; "exact" = each
     # weight dequantized once a wave for SGEMM (a bf16 GEMM for bf16 compute). A choice the CPU
-    # cannot run or gains nothing from (bf16x3 without AMX, int16 with AVX2 tiles, bf16 compute
-    # on a CPU with a bf16 GEMM) is "exact". The head is exact either way. See
-    # shared/runtime/linear_layout.py `packed_form`.
+    # cannot run or gains nothing from (bf16x3 without AMX, bf16 without a bf16 GEMM, int16
+    # with AVX2 tiles, bf16 compute on a CPU with a bf16 GEMM) is "exact". The head is exact
+    # either way. See shared/runtime/linear_layout.py `packed_form`.
     packed_prefill: str = "auto"
     # The CPU decode engine's fp32 layers as one native call a step (the same kernels and
     # arguments, bit-identical): no Python between a layer's kernels, where the model's forms

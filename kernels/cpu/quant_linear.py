@@ -86,7 +86,9 @@ SMALL_MODES = ("f32", "int8", "int16")
 SMALL_MODE = "int8"  # the fp32 kernel is about half its speed (the module docstring)
 # What fp32 calls above small_max_rows run: "sgemm" (dequantize + SGEMM, exact up to the sums'
 # order) or "split" (dequantize, split into bf16 pairs, AMX: kernels/cpu/split_bf16.py).
-MANY_ROWS = ("sgemm", "split")
+# "bf16": x and the dequantized weight rounded to bf16, a bf16 GEMM (where the CPU has one; else
+# sgemm), the result widened back: a bf16 model's arithmetic.
+MANY_ROWS = ("sgemm", "split", "bf16")
 # Rows up to which the fp32 kernel runs by default: it beats dequantize + SGEMM at 16 rows, loses
 # at 64 (the module docstring).
 F32_MAX_ROWS = 16
@@ -329,7 +331,8 @@ class QuantWeight:
     loaded at first use. ``small_mode`` (:data:`SMALL_MODES`): the kernel for calls of up to
     ``small_max_rows`` rows (default :data:`F32_MAX_ROWS` for "f32", :data:`INT8_MAX_ROWS`
     for "int8"); more rows take dequantize + SGEMM (or the split-bf16 kernel where
-    ``many_rows``, :data:`MANY_ROWS`, is "split" and the CPU has AMX). All three are
+    ``many_rows``, :data:`MANY_ROWS`, is "split" and the CPU has AMX; a bf16 GEMM where it is
+    "bf16" and the CPU has one). All three are
     attributes a caller may set (e.g. ``small_max_rows = 0``: always dequantize + SGEMM);
     ``select_rows`` and ``cat`` keep them.
 
@@ -508,8 +511,10 @@ class QuantWeight:
         if bias is not None and bias.shape != self._bias_shape:
             raise ValueError(f"bias {tuple(bias.shape)}: not [{self.out_features}]")
         dtype = x.dtype
-        if dtype is torch.bfloat16 and x.shape[0] > self.small_max_rows and bf16_gemm():
-            return self.linear_dequantized_bf16(x, bias)
+        bf16 = dtype is torch.bfloat16 or self.many_rows == "bf16"
+        if bf16 and x.shape[0] > self.small_max_rows and bf16_gemm():
+            y = self.linear_dequantized_bf16(x.to(torch.bfloat16), bias)
+            return y if dtype is torch.bfloat16 else y.float()
         xf = x.float() if dtype != torch.float32 else x
         if xf.stride(1) != 1:
             xf = xf.contiguous()

@@ -119,12 +119,13 @@ def prefill_flops(shape: Shape, prompt_lens: Sequence[int]) -> dict[str, float]:
 # int8 dot products a packed projection does per product, by its arithmetic: "int16"
 # (activations in two bytes, kernels/cpu/quant_linear.py) does two of the int8 kernel's.
 INT8_PASSES = {"int8": 1, "int16": 2}
-BF16_PASSES = {"bf16x3": 3}  # tile products of bf16 per fp32 product (kernels/cpu/split_bf16.py)
+# bf16 GEMM products per product: bf16x3's three (kernels/cpu/split_bf16.py), bf16's one
+BF16_PASSES = {"bf16x3": 3, "bf16": 1}
 
 
 def packed_gflops(arith: str, int8_gflops: float, bf16_gflops: float | None = None) -> float:
     """The peak of a packed projection's ``arith``: "int8" or "int16" from the int8 GEMM's,
-    "bf16x3" from the bf16 GEMM's (``bf16_gflops``, required for it)."""
+    "bf16x3" or "bf16" from the bf16 GEMM's (``bf16_gflops``, required for them)."""
     if arith in BF16_PASSES:
         if bf16_gflops is None:
             raise ValueError(f"{arith}'s peak needs the bf16 GEMM's")

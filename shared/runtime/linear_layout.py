@@ -65,7 +65,7 @@ ROLES = (None, "prefill", "decode")
 MAX_PACKED_GROWTH = 1.25
 
 
-PACKED_PREFILLS = ("auto", "bf16x3", "int16", "int8", "exact")  # BATON_PACKED_PREFILL
+PACKED_PREFILLS = ("auto", "bf16x3", "int16", "int8", "bf16", "exact")  # BATON_PACKED_PREFILL
 # Rows from which "bf16x3" runs the split kernel; fewer take the wide (int16) tiled kernel: the
 # weight's dequantize and split, once a call, cost more than the tiles save on a few rows.
 SPLIT_MIN_ROWS = 64
@@ -96,6 +96,9 @@ def packed_form(
       AMX's int8 tiles where the CPU has them, the same result);
     - "int8" (~4x, ~2x with AVX2, and the first token of a near-tie moves: llama.cpp's
       arithmetic);
+    - "bf16" (where the CPU has a bf16 GEMM): x and the dequantized weight rounded to bf16, a
+      bf16 GEMM, as a bf16 model (vLLM's bf16) computes: ~2x bf16x3's pace on AMX, ~3e-3 of
+      the outputs' norm, and a near-tie's first token can move;
     - "exact": dequantized once a wave for SGEMM (up to fp32 summation order; a bf16 model
       through a bf16 GEMM of the weight rounded to bf16 where the CPU has one).
 
@@ -105,8 +108,9 @@ def packed_form(
     arith = prefill_arith(prefill, dtype) if role == "prefill" else None
     if role == "prefill" and head:
         weight.small_mode, weight.small_max_rows = "f32", 1 << 62
-    elif arith == "exact":
+    elif arith in ("exact", "bf16"):
         weight.small_max_rows = 0
+        weight.many_rows = "bf16" if arith == "bf16" else "sgemm"
     elif weight.tile():
         if arith == "bf16x3":
             weight.small_mode, weight.many_rows = "int16", "split"
@@ -122,13 +126,16 @@ def prefill_arith(prefill: str, dtype: torch.dtype = torch.float32) -> str:
     """What the prefill engine of a ``dtype`` model computes packed projections in
     (:func:`packed_form`) for ``prefill`` (BATON_PACKED_PREFILL). "auto": "bf16x3" where the
     CPU has AMX, else "int16" where it gains (below), else "exact". A choice this CPU cannot
-    run or gains nothing from is "exact": without the tiled kernels everything but "exact";
+    run or gains nothing from is "exact": without the tiled kernels everything but "exact" and
+    "bf16"; "bf16" without a bf16 GEMM, or for a bf16 model (its exact path is that GEMM);
     "bf16x3" without AMX; "int16" with AVX2 tiles (two-byte x runs at SGEMM's pace there:
     docs/perf-log.md, "Packed prefill on the tiles"). A bf16 model on a CPU with a bf16 GEMM
     takes "exact" for "auto", "bf16x3" and "int16": it rounds x to bf16 anyway, and that GEMM
     is the faster."""
     kernels = load_quant_kernels()
     isa = "none" if kernels is None or kernels.tile_rows == 0 else kernels.tiles_isa
+    if prefill == "bf16":
+        return "bf16" if dtype == torch.float32 and bf16_gemm() else "exact"
     if isa == "none" or prefill == "exact":
         return "exact"
     if prefill == "int8":

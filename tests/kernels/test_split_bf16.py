@@ -1,5 +1,5 @@
-"""The split-bf16 linear (kernels/cpu/split_bf16.py, csrc/split_bf16.c): x and w each split into
-two bf16s, three AMX tile products a chunk, summed in fp32.
+"""The split-bf16 linear (kernels/cpu/split_bf16.py, kernels/cpu/csrc/split_bf16.c): x and w
+each split into two bf16s, three AMX tile products a chunk, summed in fp32.
 
 Swept over shapes against :func:`split_bf16.reference` (the same three products in torch):
 within fp32 summation order of it per output. Against the float64 product its error must sit

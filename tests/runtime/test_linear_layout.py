@@ -193,7 +193,8 @@ def test_the_prefill_engine_keeps_two_byte_x_where_it_gains() -> None:
 def test_auto_takes_the_split_kernel_where_the_cpu_has_amx() -> None:
     """BATON_PACKED_PREFILL=auto (the default): bf16x3 where the split kernel runs (AMX), else
     int16 where it gains, else exact; bf16x3 asked for elsewhere is exact; a bf16 model on a
-    CPU with a bf16 GEMM takes its exact path whatever is asked but int8."""
+    CPU with a bf16 GEMM takes its exact path whatever is asked but int8; bf16 needs a bf16
+    GEMM."""
     from kernels.cpu import split_bf16
     from kernels.cpu.quant_linear import bf16_gemm, load_quant_kernels
     from shared.config import BatonConfig
@@ -209,3 +210,6 @@ def test_auto_takes_the_split_kernel_where_the_cpu_has_amx() -> None:
     if bf16_gemm():
         for choice in ("auto", "bf16x3", "int16"):
             assert prefill_arith(choice, torch.bfloat16) == "exact"
+    # "bf16": the bf16 GEMM where there is one, for an fp32 model (a bf16 model's exact path)
+    assert prefill_arith("bf16") == ("bf16" if bf16_gemm() else "exact")
+    assert prefill_arith("bf16", torch.bfloat16) == "exact"

@@ -371,6 +371,25 @@ def test_bf16_above_the_small_kernel_is_a_bf16_gemm(kernels: QuantKernels) -> No
         assert torch.equal(out, F.linear(x.float(), w, bias.float()).bfloat16())
 
 
+def test_many_rows_bf16_is_the_bf16_gemm_for_fp32_rows(kernels: QuantKernels) -> None:
+    """``many_rows="bf16"`` (the prefill engine's "bf16"): fp32 rows above small_max_rows take
+    the bf16 GEMM of the path above, widened back to fp32; the fp32 path without one."""
+    g, raw = _seeded_weight(6, 64, 96, QuantType.Q8_0)
+    weight = QuantWeight(raw, QuantType.Q8_0, 96, kernels, small_max_rows=0, many_rows="bf16")
+    x = torch.randn(40, 96, generator=g)
+    bias = torch.randn(64, generator=g)
+    out = weight.linear(x, bias)
+    assert out.dtype == torch.float32
+    w = weight.dequantize()
+    if cpu_quant_linear.bf16_gemm():
+        want = F.linear(x.bfloat16(), w.bfloat16(), bias.bfloat16()).float()
+    else:
+        want = F.linear(x, w, bias)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="many_rows"):
+        QuantWeight(raw, QuantType.Q8_0, 96, kernels, many_rows="fp8")
+
+
 def test_bf16_strided_bias_and_refusals(kernels: QuantKernels) -> None:
     g, raw = _seeded_weight(4, 64, 96, QuantType.Q4_1)
     weight = QuantWeight(raw, QuantType.Q4_1, 96, kernels)

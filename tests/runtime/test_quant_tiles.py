@@ -122,9 +122,9 @@ def test_the_wide_kernel_on_amx_is_vpdpbusds_bit_for_bit(
     kernels: QuantKernels, qtype: QuantType
 ) -> None:
     """From 16 rows the wide kernel runs on AMX's int8 tiles where the CPU grants them
-    (csrc/quant_tiles_amx.h): the same integer dots, the same float steps in the same order, so
-    the same bits as vpdpbusd's, whatever the rows (a partial last tile), the groups (a partial
-    last group), a bias or x's row stride."""
+    (kernels/cpu/csrc/quant_tiles_amx.h): the same integer dots, the same float steps in the
+    same order, so the same bits as vpdpbusd's, whatever the rows (a partial last tile), the
+    groups (a partial last group), a bias or x's row stride."""
     if kernels.wide_isa != "amx-int8":
         pytest.skip(f"the wide kernel runs on {kernels.wide_isa} here")
     g = torch.Generator().manual_seed(int(qtype))

@@ -1,7 +1,7 @@
 /* A linear in fp32 on AMX's bf16 tiles, each operand split into two bf16s, CPU:
- * y[M, N] = x[M, K] . W[N, K]^T (+ b), near fp32's precision, where the CPU has AMX: the prefill
- * engine's packed weights (docs/engine.md, "A prompt's rows on the tiles"). On a Sapphire
- * Rapids 1.2-1.3x SGEMM's pace and ~1.8x that of x in two bytes a value on vpdpbusd
+ * y[M, N] = x[M, K] . W[N, K]^T (+ b), near fp32's precision, where the CPU has AMX: the
+ * prefill engine's packed weights (docs/engine.md, "GGUF files and packed quantized weights").
+ * On a Sapphire Rapids 1.2-1.3x SGEMM's pace and ~1.8x that of x in two bytes a value on vpdpbusd
  * (docs/perf-log.md, "Packed prefill on AMX"): its tile products run at a fifth of the unit's
  * rate, a tile load and the products that wait on it serialising (the tiles are not renamed).
  *
