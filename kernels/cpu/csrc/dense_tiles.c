@@ -34,9 +34,8 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX 1
+#include "amx.h"
 #endif
 
 #define TR 16 /* weight rows per tile */
@@ -270,24 +269,6 @@ bf16_block(const int T, const int MB, const uint16_t *w, int64_t k, const uint32
  * for k = 32c .. 32c+31 are 16 rows of 64 bytes (pair p of the 16 weight rows), contiguous:
  * one tileloadd. x's MB rows of those 32 k are the A operand, read in place (stride: x's row).
  * Up to four groups at once, each its own accumulator tile (tmm0-3; A in tmm4, B in tmm5). */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Whether this process may use AMX's tile registers (Linux asks each process to request them). */
-static int amx_permitted(void)
-{
-    static int permitted = -1;
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
-
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* This thread's tiles for MB x rows: C tmm0-3 (MB x 16 fp32), A tmm4 (MB x 32 bf16), B tmm5. */
 static void amx_configure(int64_t mb)
 {

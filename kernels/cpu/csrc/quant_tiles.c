@@ -286,6 +286,9 @@ INLINE void group_rows(const int64_t qtype, const int wide, const int mr, const 
         _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_add_ps(acc[m], bv));
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include "amx.h"
+#endif
 #include "quant_tiles_amx.h"
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -453,7 +456,7 @@ static int tiles_linear(const int wide, const int amx, const uint8_t *w, int64_t
     if (m == 0 || n == 0) return 0;
 #ifdef HAVE_AMX_INT8
     /* the int8 kernel gains nothing there: its float work per block, not its dots, sets its pace */
-    if (wide && amx && m >= AMX_MIN_ROWS && amx_int8_permitted())
+    if (wide && amx && m >= AMX_MIN_ROWS && amx_permitted())
         return amx_tiles_linear_wide(w, qtype, n, k, x, m, ldx, bias, y, parts);
 #endif
     const group_fn fn = qtype == QT_Q4_0   ? (wide ? group_q4_0_wide : group_q4_0)
@@ -546,7 +549,7 @@ int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t 
 const char *baton_quant_tiles_wide_path(void)
 {
 #ifdef HAVE_AMX_INT8
-    if (amx_int8_permitted()) return "amx-int8";
+    if (amx_permitted()) return "amx-int8";
 #endif
     return TILE_PATH;
 }

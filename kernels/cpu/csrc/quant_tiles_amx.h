@@ -3,9 +3,10 @@
  * prompt's rows on a Sapphire Rapids (docs/perf-log.md, "Packed prefill on AMX"): the float work
  * per block, not the tiles, sets it.
  *
- * Included by quant_tiles.c inside its AVX-512 VNNI build (xblock2, quant_row_wide, scale_bytes
- * and the tile layout are its). Why it matches: a (row, block) integer dot is exact in int32
- * whichever unit sums it, and the float work after it is group_rows' per lane, in its order.
+ * Included by quant_tiles.c inside its AVX-512 VNNI build, after amx.h (xblock2, quant_row_wide,
+ * scale_bytes and the tile layout are quant_tiles.c's). Why it matches: a (row, block) integer
+ * dot is exact in int32 whichever unit sums it, and the float work after it is group_rows' per
+ * lane, in its order.
  *
  * The tiles (AMX's names: C += A . B, A signed bytes, B unsigned, tdpbsud):
  *   A: 16 x rows' high (or low) bytes of one block of 32: 16 rows of 32 bytes, read in place
@@ -21,32 +22,12 @@
  * block: 32 of the 64 bytes a tdpbsud could take, and float work per block. */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX_INT8 1
 #define AMX_MIN_ROWS 16 /* fewer x rows take vpdpbusd: a tile is 16 rows whatever it holds */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Whether this process may use AMX's tile registers (Linux asks each process to request them). */
-static int amx_int8_permitted(void)
-{
-    static int permitted = -1;
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
-
-struct amx_tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* tmm0-3: C (16 x 16 int32); tmm4, tmm5: A, high and low bytes (16 x 32 bytes); tmm6: B (8 x 64) */
 static void amx_wide_configure(void)
 {
-    struct amx_tile_config cfg;
+    struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = TR;

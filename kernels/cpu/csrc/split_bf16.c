@@ -37,9 +37,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_SPLIT 1
+#include "amx.h"
 #endif
 
 #define TR 16      /* rows of a tile */
@@ -47,23 +46,6 @@
 #define XCHUNK 256 /* x rows a pass over a thread's groups */
 
 #ifdef HAVE_SPLIT
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int amx_permitted(void)
-{
-    static int permitted = -1;
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
-
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 static void configure(void)
 {
     struct tile_config cfg;
