@@ -91,6 +91,10 @@ int baton_split_bf16_pack(const float *w, int64_t n, int64_t k, uint16_t *out, i
 #ifdef HAVE_SPLIT
     if (k % KC) return -1;
     const int64_t groups = (n + TR - 1) / TR, nc = k / KC;
+    /* lane r of a tile row gathers row r's pair: 16 dwords apart in the [row][pair] buffer */
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(TR));
 #pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
     for (int64_t gc = 0; gc < groups * nc; gc++) {
         const int64_t g = gc / nc, c = gc % nc;
@@ -102,9 +106,6 @@ int baton_split_bf16_pack(const float *w, int64_t n, int64_t k, uint16_t *out, i
             _mm512_storeu_si512(ls[r], l);
         }
         uint32_t *dst = (uint32_t *)(out + gc * 2 * 512);
-        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                                 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(TR));
         for (int p = 0; p < TR; p++) { /* tile row p: pair p of the 16 rows */
             _mm512_storeu_si512(dst + p * TR, _mm512_i32gather_epi32(rows, &hs[0][p], 4));
             _mm512_storeu_si512(dst + 256 + p * TR, _mm512_i32gather_epi32(rows, &ls[0][p], 4));
