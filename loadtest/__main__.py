@@ -65,6 +65,7 @@ COMMANDS: dict[str, Command] = {
     "engine-memory": Command("engine.engine_memory"),
     "quant-linear": Command("engine.quant_linear_bench"),
     "dense-tiles": Command("engine.dense_tiles_bench"),
+    "decode-attention": Command("engine.decode_attention_bench"),
     "gguf-variants": Command("engine.gguf_variants"),
     "real-model-parity": Command("engine.real_model_parity"),
     "bf16-agreement": Command("engine.bf16_agreement"),

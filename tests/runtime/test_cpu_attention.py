@@ -109,6 +109,9 @@ def test_matches_the_reference_and_the_torch_path(
     ("num_heads", "num_kv_heads", "head_dim", "bs"),
     [
         (14, 2, 64, 16),  # the Qwen2-0.5B shape: vector loops
+        (9, 3, 64, 16),  # SmolLM2's: rows widened in pairs (vec16.h load_pairs), group 3
+        (4, 2, 32, 16),  # a head of one pair of vectors (AVX-512)
+        (4, 1, 256, 16),  # a head wider than a walk's registers: walks of whole pairs
         (4, 2, 16, 16),  # vector loops, one 16-wide column
         (6, 2, 24, 8),  # not a multiple of 16: the scalar loops
         (9, 9, 128, 16),  # K rows too wide to widen into scratch: converted where they lie

@@ -94,6 +94,16 @@ INLINE void scores_one(const float *restrict q, const void *restrict k_pool,
  * (64 KiB of stack at most). */
 #define MAX_WIDENED_ROW 1024
 
+/* Whether a bf16 tile widens in load_pairs' order (vec16.h: even elements, then odd, per 2 VN),
+ * and q is read in the same order (attend_rows permutes it once a row): where the widened rows
+ * fit the scratch and each head is whole pairs of vectors. Each dot product sums the same
+ * products in another order, so a token's score differs from the in-order widen's by fp32
+ * rounding, and is the same whatever the batch, thread or call. */
+INLINE int scores_in_pairs(int bf16, int64_t row, int64_t head_dim)
+{
+    return bf16 && row <= MAX_WIDENED_ROW && head_dim % (2 * VN) == 0;
+}
+
 INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
                            const int64_t *restrict table, int64_t start, int64_t len,
                            int64_t num_heads, int64_t group, int64_t head_dim,
@@ -104,6 +114,7 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
     /* bf16: the tile's rows are widened once into fp32, not once per query head of a group
      * (Qwen2-0.5B: 7 query heads a KV head); very wide rows convert in place instead. */
     const int widen = bf16 && row <= MAX_WIDENED_ROW;
+    const int pairs = scores_in_pairs(bf16, row, head_dim); /* q is in pair order then */
     float tile[widen ? VN * row : 1];
     const void *krows[VN];
     for (int64_t t0 = start; t0 < len; t0 += VN) {
@@ -123,8 +134,16 @@ INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
         const int in_bf16 = bf16 && !widen; /* what krows point at from here on */
         if (widen)
             for (int j = 0; j < VN; j++) {
-                for (int64_t c = 0; c < row; c += VN) {
-                    storen(tile + j * row + c, loadn_as(kv_ptr(krows[j], c, 1), 1));
+                if (pairs) {
+                    for (int64_t c = 0; c < row; c += 2 * VN) {
+                        vn even, odd;
+                        load_pairs(kv_ptr(krows[j], c, 1), &even, &odd);
+                        storen(tile + j * row + c, even);
+                        storen(tile + j * row + c + VN, odd);
+                    }
+                } else {
+                    for (int64_t c = 0; c < row; c += VN)
+                        storen(tile + j * row + c, loadn_as(kv_ptr(krows[j], c, 1), 1));
                 }
                 krows[j] = tile + j * row;
             }
@@ -209,7 +228,7 @@ INLINE void values_one(const float *restrict probs, const void *restrict v_pool,
 INLINE void values_walk(const int GN, const int64_t CN, const float *restrict p, int64_t stride,
                         const void *restrict v_pool, const int64_t *restrict table,
                         int64_t start, int64_t len, int64_t block_size, int64_t row, int64_t col,
-                        int fetch, vn *restrict acc, int bf16)
+                        int fetch, vn *restrict acc, int bf16, int pairs)
 {
     const int64_t esize = bf16 ? 2 : 4;
     for (int64_t t0 = start; t0 < len;) {
@@ -224,9 +243,14 @@ INLINE void values_walk(const int GN, const int64_t CN, const float *restrict p,
             const void *vr = kv_ptr(v_pool, vb + i * row, bf16);
             if (bf16) { /* widened once for the group */
                 vn v[VALUE_REGS] = {0}; /* (only the first CN are read) */
+                if (pairs) {
+                    for (int64_t i = 0; i < CN / 2 && 2 * i + 1 < VALUE_REGS; i++)
+                        load_pairs(kv_ptr(vr, 2 * i * VN, 1), &v[2 * i], &v[2 * i + 1]);
+                } else {
 #pragma GCC unroll 16
-                for (int64_t c = 0; c < CN && c < VALUE_REGS; c++)
-                    v[c] = loadn_as(kv_ptr(vr, c * VN, 1), 1);
+                    for (int64_t c = 0; c < CN && c < VALUE_REGS; c++)
+                        v[c] = loadn_as(kv_ptr(vr, c * VN, 1), 1);
+                }
 #pragma GCC unroll 4
                 for (int g = 0; g < GN; g++) {
                     const float w = p[g * stride + t0 + i];
@@ -256,11 +280,14 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
 {
     const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
     const int64_t nc = head_dim / VN;
+    /* bf16 rows widened in load_pairs' order: the sums too, put back in order when stored */
+    const int pairs = bf16 && nc % 2 == 0;
     /* heads a walk sums (gc), and vectors of each head (dc): gc * dc <= VALUE_REGS */
     int64_t gc = VALUE_REGS / nc, dc = nc;
     if (gc < 2) {
         gc = 3;
         dc = VALUE_REGS / gc;
+        if (pairs) dc -= dc % 2; /* whole pairs a walk */
     }
     if (gc > group) gc = group;
     for (int64_t h = 0; h < num_kv_heads; h++)
@@ -274,7 +301,7 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
                 const int64_t col = h * head_dim + c0 * VN;
 #define WALK(GN_, CN_)                                                                       \
     values_walk(GN_, CN_, p, stride, v_pool, table, start, len, block_size, row, col, fetch, acc, \
-                bf16)
+                bf16, pairs)
                 if (cn == dc && gn <= 4 && gn * dc <= VALUE_REGS) {
                     switch (gn) {
                     case 1: WALK(1, dc); break;
@@ -286,10 +313,14 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
                     WALK((int)gn, cn);
                 }
 #undef WALK
-                for (int64_t g = 0; g < gn; g++)
-                    for (int64_t c = 0; c < cn; c++)
-                        storen(out + (h * group + g0 + g) * head_dim + (c0 + c) * VN,
-                               acc[g * cn + c]);
+                for (int64_t g = 0; g < gn; g++) {
+                    float *o = out + (h * group + g0 + g) * head_dim + c0 * VN;
+                    for (int64_t c = 0; c < cn; c += 1 + pairs)
+                        if (pairs)
+                            store_pairs(o + c * VN, acc[g * cn + c], acc[g * cn + c + 1]);
+                        else
+                            storen(o + c * VN, acc[g * cn + c]);
+                }
             }
 }
 #endif
@@ -437,15 +468,29 @@ INLINE void attend_rows(const struct attend_args *a, int64_t b0, int64_t b1, int
     const int64_t block_size = a->block_size;
     const void *k_pool = a->k_pool, *v_pool = a->v_pool;
     const float scale = a->scale;
-    float *scratch = malloc((size_t)(num_heads * a->max_len) * sizeof(float));
+    const int64_t row = a->num_kv_heads * a->head_dim, esize = bf16 ? 2 : 4;
+#ifdef BATON_VECTOR_SCORES
+    const int q_pairs = scores_in_pairs(bf16, row, a->head_dim);
+#else
+    const int q_pairs = 0;
+#endif
+    /* the scores, then (q_pairs) the row's q in pair order */
+    const int64_t q_size = q_pairs ? num_heads * a->head_dim : 0;
+    float *scratch = malloc((size_t)(num_heads * a->max_len + q_size) * sizeof(float));
     if (scratch == NULL) { /* no memory: NaN out, which the engine's sampler cannot hide */
         for (int64_t i = b0 * num_heads * a->head_dim; i < b1 * num_heads * a->head_dim; i++)
             a->out[i] = NAN;
         return;
     }
-    const int64_t row = a->num_kv_heads * a->head_dim, esize = bf16 ? 2 : 4;
+    float *q_pair = scratch + num_heads * a->max_len;
     for (int64_t b = b0; b < b1; b++) {
         const float *qb = a->q + b * a->q_stride;
+#ifdef BATON_VECTOR_SCORES
+        if (q_pairs) {
+            pair_order(qb, num_heads * a->head_dim, q_pair);
+            qb = q_pair;
+        }
+#endif
         const int64_t *table = a->block_tables + b * a->max_blocks;
         const int64_t len = a->context_lens[b], start = a->starts ? a->starts[b] : 0;
         const int64_t stride = len - start; /* this row's scores per head, back to back */

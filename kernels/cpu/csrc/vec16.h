@@ -104,7 +104,45 @@ static inline __attribute__((always_inline)) vn loadn_as(const void *p, int bf16
     return v;
 }
 
+/* 2 VN bf16 elements from p as two fp32 vectors: the even-indexed elements and the odd ones.
+ * Each 32-bit lane holds a pair, the even element in its low half: shifted up it is the even
+ * element's fp32, masked it is the odd one's. Two operations for 2 VN elements, where widening
+ * them in order takes a zero-extend across lanes per VN / 2 (and GCC splits those further): a
+ * kernel that only sums products can take its operands in this order, with the other operand
+ * permuted to match (pair_order). */
+static inline __attribute__((always_inline)) void load_pairs(const void *p, vn *even, vn *odd)
+{
+    vnu w;
+    memcpy(&w, p, sizeof w);
+    const vnu e = w << 16, o = w & 0xffff0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+}
+
+/* dst[0, n) = src[0, n) in load_pairs' order, n a multiple of 2 VN: per 2 VN elements, the even
+ * ones, then the odd ones. */
+static inline void pair_order(const float *src, int64_t n, float *dst)
+{
+    for (int64_t c = 0; c < n; c += 2 * VN)
+        for (int i = 0; i < VN; i++) {
+            dst[c + i] = src[c + 2 * i];
+            dst[c + VN + i] = src[c + 2 * i + 1];
+        }
+}
+
 #ifdef VEC16_SHUFFLES
+/* dst[0, 2 VN) = the elements load_pairs split into even and odd, back in order. */
+static inline void store_pairs(float *dst, vn even, vn odd)
+{
+#if VN == 16
+    storen(dst, SHUF(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+    storen(dst + VN, SHUF(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+#else
+    storen(dst, SHUF(even, odd, 0, 8, 1, 9, 2, 10, 3, 11));
+    storen(dst + VN, SHUF(even, odd, 4, 12, 5, 13, 6, 14, 7, 15));
+#endif
+}
+
 /* r[j] = sum of the lanes of a[j], j < VN: sum16, or its three levels for eight lanes. */
 static inline vn sumn(vn a[VN])
 {
