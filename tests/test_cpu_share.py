@@ -17,6 +17,8 @@ from shared.engine.cpu_share import TTL_S, CpuShareManager, fair_share, table_pa
 from shared.engine.thread_choice import (
     EXPLORE_EVERY,
     FIRST_TRIES,
+    HORIZON_S,
+    HORIZON_STEPS,
     WINDOW,
     ThreadChoice,
     bucket,
@@ -174,7 +176,7 @@ def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyP
 
 
 def test_thread_choice_runs_the_faster_option_per_batch_and_keeps_trying_the_other() -> None:
-    choice = ThreadChoice()
+    choice = ThreadChoice(clock=lambda: 0.0)
     for _ in range(FIRST_TRIES):  # each option measured, alternately, every core first
         assert choice.leave(2) is False
         choice.record(2, False, 0.004)
@@ -186,6 +188,37 @@ def test_thread_choice_runs_the_faster_option_per_batch_and_keeps_trying_the_oth
         choice.record(2, True, 0.006)
     assert [choice.leave(2) for _ in range(EXPLORE_EVERY)].count(True) == 1
     assert choice.leave(64) is False and bucket(64) != bucket(2)  # a new bucket starts over
+
+
+def test_thread_choice_measures_both_options_again_after_a_pause() -> None:
+    """A decode running beside a burst's prefill found one core fewer faster; alone after it,
+    every core is: old measurements do not decide, the option not chosen is tried again."""
+    now = [0.0]
+    choice = ThreadChoice(clock=lambda: now[0])
+
+    def measured(seqs: int, seconds: dict[bool, float], steps: int) -> list[bool]:
+        runs = []
+        for _ in range(steps):
+            leave = choice.leave(seqs)
+            choice.record(seqs, leave, seconds[leave])
+            now[0] += seconds[leave]
+            runs.append(leave)
+        return runs
+
+    beside_prefill = {False: 0.060, True: 0.040}
+    runs = measured(64, beside_prefill, 2 * FIRST_TRIES + EXPLORE_EVERY)
+    assert runs[2 * FIRST_TRIES :].count(True) == EXPLORE_EVERY - 1
+    now[0] += HORIZON_S + 0.5  # prefill's wave held the cores meanwhile: no steps chosen
+    alone = {False: 0.030, True: 0.045}
+    assert measured(64, alone, 2) == [False, True]  # each option's newest too old: both tried
+    assert measured(64, alone, EXPLORE_EVERY).count(False) == EXPLORE_EVERY - 1  # every core
+    # Steps as long as the horizon: it is counted in steps instead, so a pause of a few steps
+    # leaves the option not chosen measured recently enough.
+    slow = {False: HORIZON_S, True: 2 * HORIZON_S}
+    measured(1, slow, 2 * FIRST_TRIES)
+    now[0] += 3 * HORIZON_S
+    assert 3 * HORIZON_S < HORIZON_STEPS * HORIZON_S
+    assert measured(1, slow, EXPLORE_EVERY - 1).count(True) <= 1
 
 
 def test_a_decode_step_leaves_a_core_only_where_that_was_faster(table: Path) -> None:

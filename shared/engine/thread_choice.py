@@ -12,11 +12,23 @@ on one core fewer, a full batch's long steps on every core. So both are measured
 step time per batch size (a power-of-two bucket), and the faster one runs; one step in
 ``EXPLORE_EVERY`` tries the other, so the choice follows the load. Means, not medians: what a
 stream's time per token adds up is every step, the preempted ones included.
+
+A measurement describes the load of its moment. A burst's decode first runs beside its prefill,
+whose waves hold the cores (no choice then: the engines halve them) and whose gaps are full of
+the light services' work for the new prompts; then it runs alone, where every core is the faster
+option by a quarter at 64 sequences. Counted by steps alone, the measurements of the option not
+chosen came from the first phase and stayed for hundreds of steps (a new one every
+``EXPLORE_EVERY`` steps, a window of ``WINDOW``): decode ran the decode-only phase on one core
+(docs/perf-log.md, "Decode's thread choice follows the load"). So a mean counts only
+measurements within a horizon (``HORIZON_S``, or ``HORIZON_STEPS`` steps where steps are long),
+and an option whose newest measurement is older is tried at the next step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 
 # How often the option not chosen is tried: rarely enough that a wrong try costs little (one
 # step in sixteen a few ms slower), often enough to follow a change of load within seconds.
@@ -26,6 +38,11 @@ EXPLORE_EVERY = 16
 WINDOW = 32
 # Each option is measured this often, alternately, before the means decide.
 FIRST_TRIES = 4
+# How far back a mean looks: seconds, or this many steps of the bucket's last length where that
+# is longer (a step of a large model can take seconds; the option not chosen is measured every
+# EXPLORE_EVERY steps anyway, so only a pause in the bucket's steps makes it stale).
+HORIZON_S = 2.0
+HORIZON_STEPS = 2 * EXPLORE_EVERY
 
 
 def bucket(seqs: int) -> int:
@@ -34,14 +51,15 @@ def bucket(seqs: int) -> int:
 
 
 class ThreadChoice:
-    """Per batch bucket, a running mean of step time for each option (``leave``: one core
-    fewer), and which to run next."""
+    """Per batch bucket, the recent step times of each option (``leave``: one core fewer) with
+    when they ended, and which option to run next."""
 
-    def __init__(self) -> None:
-        self._times: dict[tuple[int, bool], deque[float]] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._times: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
         self._steps: dict[int, int] = {}
 
-    def _window(self, b: int, leave: bool) -> deque[float]:
+    def _window(self, b: int, leave: bool) -> deque[tuple[float, float]]:
         return self._times.setdefault((b, leave), deque(maxlen=WINDOW))
 
     def leave(self, seqs: int) -> bool:
@@ -51,8 +69,18 @@ class ThreadChoice:
         full, fewer = self._window(b, False), self._window(b, True)
         if len(fewer) < FIRST_TRIES:
             return len(full) > len(fewer)  # alternate: every core first
-        best = sum(fewer) / len(fewer) < sum(full) / len(full)
-        return not best if n % EXPLORE_EVERY == 0 else best
+        now = self.clock()
+        newest = max(full[-1], fewer[-1])  # (when, seconds) of the bucket's last step
+        since = now - max(HORIZON_S, HORIZON_STEPS * newest[1])
+        best = _mean(fewer, since) < _mean(full, since)
+        stale = (full if best else fewer)[-1][0] < since  # the other's newest, too old
+        return not best if stale or n % EXPLORE_EVERY == 0 else best
 
     def record(self, seqs: int, leave: bool, seconds: float) -> None:
-        self._window(bucket(seqs), leave).append(seconds)
+        self._window(bucket(seqs), leave).append((self.clock(), seconds))
+
+
+def _mean(window: deque[tuple[float, float]], since: float) -> float:
+    """The mean step time of the measurements that ended after ``since``, else the newest."""
+    recent = [seconds for when, seconds in window if when >= since] or [window[-1][1]]
+    return sum(recent) / len(recent)
