@@ -485,12 +485,10 @@ INLINE void attend_rows(const struct attend_args *a, int64_t b0, int64_t b1, int
     float *q_pair = scratch + num_heads * a->max_len;
     for (int64_t b = b0; b < b1; b++) {
         const float *qb = a->q + b * a->q_stride;
-#ifdef BATON_VECTOR_SCORES
         if (q_pairs) {
             pair_order(qb, num_heads * a->head_dim, q_pair);
             qb = q_pair;
         }
-#endif
         const int64_t *table = a->block_tables + b * a->max_blocks;
         const int64_t len = a->context_lens[b], start = a->starts ? a->starts[b] : 0;
         const int64_t stride = len - start; /* this row's scores per head, back to back */
