@@ -17,7 +17,11 @@ from typing import Any
 from kernels.cpu.build import CSRC, load_library
 
 SOURCE = CSRC / "decode_program.c"
-FLAGS = ("-O2", "-march=native", "-fPIC", "-shared", "-std=c11")
+# -O3: GCC vectorises the program's own loops (the bf16 <-> fp32 conversions around the kernels,
+# the residual adds, the KV store's rounding) only from -O3; at -O2 they ran an element at a time
+# and took a third of a bf16 model's step (docs/perf-log.md, "The decode program's own loops").
+# Each element is computed as before: no contraction, no reassociation.
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 MAX_ARGS = 18
 STEP_ARG = 1 << 62
 
