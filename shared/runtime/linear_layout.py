@@ -111,14 +111,15 @@ def packed_form(
     elif arith in ("exact", "bf16"):
         weight.small_max_rows = 0
         weight.many_rows = "bf16" if arith == "bf16" else "sgemm"
-    elif weight.tile() and arith == "bf16x3":
-        weight.small_mode, weight.many_rows = "int16", "split"
-        weight.small_max_rows = SPLIT_MIN_ROWS - 1
-    elif weight.tiled:
-        if arith is not None:
-            weight.small_mode = arith
-        if weight.small_mode != "f32":
-            weight.small_max_rows = 1 << 62
+    elif weight.tile():  # regrouped in place where the build has the tiles
+        if arith == "bf16x3":
+            weight.small_mode, weight.many_rows = "int16", "split"
+            weight.small_max_rows = SPLIT_MIN_ROWS - 1
+        else:
+            if arith is not None:
+                weight.small_mode = arith
+            if weight.small_mode != "f32":
+                weight.small_max_rows = 1 << 62
 
 
 def prefill_arith(prefill: str, dtype: torch.dtype = torch.float32) -> str:

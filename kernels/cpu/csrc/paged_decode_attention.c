@@ -99,9 +99,11 @@ INLINE void scores_one(const float *restrict q, const void *restrict k_pool,
  * fit the scratch and each head is whole pairs of vectors. Each dot product sums the same
  * products in another order, so a token's score differs from the in-order widen's by fp32
  * rounding, and is the same whatever the batch, thread or call. */
+INLINE int head_in_pairs(int64_t head_dim) { return head_dim % (2 * VN) == 0; }
+
 INLINE int scores_in_pairs(int bf16, int64_t row, int64_t head_dim)
 {
-    return bf16 && row <= MAX_WIDENED_ROW && head_dim % (2 * VN) == 0;
+    return bf16 && row <= MAX_WIDENED_ROW && head_in_pairs(head_dim);
 }
 
 INLINE void scores_one_vec(const float *restrict q, const void *restrict k_pool,
@@ -244,8 +246,8 @@ INLINE void values_walk(const int GN, const int64_t CN, const float *restrict p,
             if (bf16) { /* widened once for the group */
                 vn v[VALUE_REGS] = {0}; /* (only the first CN are read) */
                 if (pairs) {
-                    for (int64_t i = 0; i < CN / 2 && 2 * i + 1 < VALUE_REGS; i++)
-                        load_pairs(kv_ptr(vr, 2 * i * VN, 1), &v[2 * i], &v[2 * i + 1]);
+                    for (int64_t c = 0; c < CN / 2 && 2 * c + 1 < VALUE_REGS; c++)
+                        load_pairs(kv_ptr(vr, 2 * c * VN, 1), &v[2 * c], &v[2 * c + 1]);
                 } else {
 #pragma GCC unroll 16
                     for (int64_t c = 0; c < CN && c < VALUE_REGS; c++)
@@ -281,7 +283,7 @@ INLINE void values_grouped(const float *restrict probs, const void *restrict v_p
     const int64_t num_kv_heads = num_heads / group, row = num_kv_heads * head_dim;
     const int64_t nc = head_dim / VN;
     /* bf16 rows widened in load_pairs' order: the sums too, put back in order when stored */
-    const int pairs = bf16 && nc % 2 == 0;
+    const int pairs = bf16 && head_in_pairs(head_dim);
     /* heads a walk sums (gc), and vectors of each head (dc): gc * dc <= VALUE_REGS */
     int64_t gc = VALUE_REGS / nc, dc = nc;
     if (gc < 2) {
