@@ -162,6 +162,14 @@ class BatonConfig:
     # with AVX2 tiles, bf16 compute on a CPU with a bf16 GEMM) is "exact". The head is exact
     # either way. See shared/runtime/linear_layout.py `packed_form`.
     packed_prefill: str = "auto"
+    # What the CPU decode engine computes packed GGUF projections in: "auto" = "bf16" where the
+    # CPU has AMX, else "int8"; "int8" = x rounded to int8 per block and integer dot products
+    # (llama.cpp's arithmetic) at every batch size; "bf16" = from 32 rows a step (fewer: int8)
+    # the weight dequantized a tile at a time and rounded to bf16, x rounded to bf16, AMX's bf16
+    # tile products summing in fp32 (a bf16 model's arithmetic; ~1.6x int8's pace at 64 rows).
+    # A sequence's numbers then depend on which side of 32 its step's batch is. See
+    # shared/runtime/linear_layout.py `packed_form`.
+    packed_decode: str = "auto"
     # The CPU decode engine's fp32 layers as one native call a step (the same kernels and
     # arguments, bit-identical): no Python between a layer's kernels, where the model's forms
     # allow it. See shared/runtime/decode_program.py.

@@ -21,6 +21,13 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
   form (shared/runtime/linear_layout.py, ``packed_form``). From 16 rows it runs on AMX's int8
   tiles where the CPU has them (csrc/quant_tiles_amx.h), the same bits. An untiled weight takes
   dequantize + SGEMM instead.
+- ``small_mode`` "bf16", on a tiled weight (the decode engine's form where the CPU has AMX):
+  from :attr:`QuantKernels.bf16_rows` rows, a bf16 model's arithmetic on AMX's bf16 tiles
+  (csrc/quant_tiles_bf16.h: each weight dequantized as the reference does and rounded once to
+  bf16, x rounded to bf16, fp32 sums; ~3e-3 of the outputs' norm); fewer rows, and CPUs
+  without AMX, the int8 kernel. Its dequantize, once a call, costs what the int8 kernel spends
+  on ~30 rows; above that the tile unit sums all of k where the int8 kernel pays float work
+  per block and row: ~1.6x its pace at 64 rows.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly
@@ -82,7 +89,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopen
 # Rows up to which the int8 kernel runs; above it dequantize + SGEMM (the module docstring).
 INT8_MAX_ROWS = 128
 # The small-M kernels: "f32" (dequantize in registers, fp32 FMA) or "int8" (x rounded to int8).
-SMALL_MODES = ("f32", "int8", "int16")
+SMALL_MODES = ("f32", "int8", "int16", "bf16")
 SMALL_MODE = "int8"  # the fp32 kernel is about half its speed (the module docstring)
 # What fp32 calls above small_max_rows run: "sgemm" (dequantize + SGEMM, exact up to the sums'
 # order) or "split" (dequantize, split into bf16 pairs, AMX: kernels/cpu/split_bf16.py).
@@ -157,6 +164,7 @@ class QuantKernels:
         # The tiled layout (csrc/quant_tiles.c): rows a tile holds, 0 where this build has no
         # kernel for it (or its library did not build): weights then keep their row layout.
         self.tile_rows = 0
+        self.bf16_rows = 0
         self.tiles_isa = "none"
         if tiles is not None:
             self._attach_tiles(tiles[0])
@@ -166,7 +174,17 @@ class QuantKernels:
         self._tiles_linear_wide = lib.baton_quant_tiles_linear_wide
         # the wide kernel on vpdpbusd whatever the CPU (what AMX's tiles are checked against)
         self._tiles_linear_wide_vnni = lib.baton_quant_tiles_linear_wide_vnni
-        for fn in (self._tiles_linear, self._tiles_linear_wide, self._tiles_linear_wide_vnni):
+        # a bf16 model's arithmetic on AMX's bf16 tiles (csrc/quant_tiles_bf16.h) at every row
+        # count (-3 without AMX), and small_mode "bf16"'s kernel: those tiles from bf16_rows rows
+        self._tiles_linear_bf16 = lib.baton_quant_tiles_linear_bf16
+        self._tiles_linear_amx_bf16 = lib.baton_quant_tiles_linear_amx_bf16
+        for fn in (
+            self._tiles_linear,
+            self._tiles_linear_wide,
+            self._tiles_linear_wide_vnni,
+            self._tiles_linear_bf16,
+            self._tiles_linear_amx_bf16,
+        ):
             fn.argtypes, fn.restype = self._linear.argtypes, ctypes.c_int
         self._tiles_pack = lib.baton_quant_tiles_pack
         self._tiles_pack.argtypes = [_P, _I, _I, _I, _P]
@@ -183,6 +201,10 @@ class QuantKernels:
         wide_isa = lib.baton_quant_tiles_wide_path
         wide_isa.argtypes, wide_isa.restype = [], ctypes.c_char_p
         self.tile_rows = int(rows())
+        bf16_rows = lib.baton_quant_tiles_bf16_rows
+        bf16_rows.argtypes, bf16_rows.restype = [], ctypes.c_int64
+        # rows from which small_mode "bf16" runs on AMX's bf16 tiles; 0: no AMX here
+        self.bf16_rows = int(bf16_rows())
         self.tiles_isa = isa().decode()  # "avx512-vnni", "avx2" or "none"
         # the wide kernel's unit from 16 rows: "amx-int8" (the same result), else tiles_isa
         self.wide_isa: str = wide_isa().decode()
@@ -500,6 +522,8 @@ class QuantWeight:
             return None if self.tiled else kernels._linear_f32
         if self.small_mode == "int16":
             return kernels._tiles_linear_wide if self.tiled else None
+        if self.small_mode == "bf16" and self.tiled:
+            return kernels._tiles_linear_amx_bf16
         return kernels._tiles_linear if self.tiled else kernels._linear
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

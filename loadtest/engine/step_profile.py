@@ -3,6 +3,7 @@
     python3 -m loadtest.engine.step_profile \
         [--model DIR|FILE.gguf] [--dtype float32 bfloat16] [--threads 1 2] \
         [--weight-format dequantized packed] [--decode-program on off] \
+        [--packed-decode auto int8 bf16] \
         [--batch 16] [--prompt 128] [--context 160] [--attention auto|torch] [--profile] \
         [--contend 3.4,10]
 
@@ -26,6 +27,7 @@ A benchmark: it prints figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -48,6 +50,7 @@ from loadtest.engine import roofline  # noqa: E402
 from loadtest.models import preset_model  # noqa: E402
 from shared.models.catalog import resolve_model  # noqa: E402
 from shared.runtime import BlockManager, ModelRunner, SamplingParams, Sequence  # noqa: E402
+from shared.runtime.linear_layout import PACKED_DECODES  # noqa: E402
 from shared.runtime.model import Projection  # noqa: E402
 
 
@@ -108,12 +111,19 @@ def contention(
 
 
 def run(
-    args: argparse.Namespace, dtype: str, threads: int, weight_format: str, program: str, kv: str
+    args: argparse.Namespace,
+    threads: int,
+    dtype: str,
+    weight_format: str,
+    program: str,
+    kv: str,
+    packed_decode: str,
 ) -> None:
     torch.set_num_threads(threads)
     config = BatonConfig(
         model=args.model, num_kv_blocks=args.kv_blocks, dtype=dtype, cpu_attention=args.attention,
         weight_format=weight_format, decode_program=program == "on", kv_cache_dtype=kv,
+        packed_decode=packed_decode,
     )  # fmt: skip
     runner = ModelRunner(config, role="decode")  # the forms the decode service keeps
     model_dir = resolve_model(args.model)
@@ -125,6 +135,8 @@ def run(
     label += f" program {'on' if runner.model.decode_programs is not None else 'off'}"
     cache_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
     label += f" kv {cache_dtype}"
+    if runner.model.quantized:
+        label += f" packed-decode {packed_decode}"
     bm = BlockManager(
         runner.num_kv_blocks, runner.block_size, True,
         num_device_blocks=runner.tiers.num_device_blocks, kv_window=runner.model_config.kv_window,
@@ -253,6 +265,10 @@ def main() -> None:
         "--kv-cache-dtype", nargs="+", default=["auto"],
         help="BATON_KV_CACHE_DTYPE: auto (packed GGUF: bfloat16), bfloat16, float32, int8",
     )  # fmt: skip
+    parser.add_argument(
+        "--packed-decode", nargs="+", default=["auto"], choices=list(PACKED_DECODES),
+        help="BATON_PACKED_DECODE (a GGUF model kept packed): auto, int8, bf16",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--context", type=int, default=160)
@@ -267,12 +283,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     args.model = args.model or str(preset_model("qwen2-0.5b"))
-    for threads in args.threads:
-        for dtype in args.dtype:
-            for weight_format in args.weight_format:
-                for program in args.decode_program:
-                    for kv in args.kv_cache_dtype:
-                        run(args, dtype, threads, weight_format, program, kv)
+    for setting in itertools.product(args.threads, args.dtype, args.weight_format,
+                                     args.decode_program, args.kv_cache_dtype,
+                                     args.packed_decode):  # fmt: skip
+        run(args, *setting)
 
 
 if __name__ == "__main__":

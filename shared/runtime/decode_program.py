@@ -72,7 +72,7 @@ def _linear_kind(p: Projection, dtype: torch.dtype) -> int:
     w = p.packed
     if isinstance(w, DenseTileWeight) and w.dtype == dtype:
         return prog.DENSE_LINEAR
-    if isinstance(w, QuantWeight) and w.kernels is not None and w.small_mode == "int8":
+    if isinstance(w, QuantWeight) and w.kernels is not None and w.small_mode in ("int8", "bf16"):
         return prog.QUANT_LINEAR
     return 0
 
@@ -302,7 +302,7 @@ class DecodePrograms:
         assert kind == prog.QUANT_LINEAR and isinstance(w, QuantWeight) and w.kernels is not None
         if not 0 < m <= w.small_max_rows:
             raise ValueError(f"{m} rows: past the packed weight's decode kernel")
-        fn = w._small_kernel(w.kernels)  # the eager call's own choice (int8: tiles or rows)
+        fn = w._small_kernel(w.kernels)  # the eager call's own choice (int8: tiles or rows; bf16)
         assert fn is not None
         x_at, y_at = x.data_ptr(), y.data_ptr()
         if self.dtype != torch.float32:

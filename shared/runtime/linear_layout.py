@@ -66,6 +66,7 @@ MAX_PACKED_GROWTH = 1.25
 
 
 PACKED_PREFILLS = ("auto", "bf16x3", "int16", "int8", "bf16", "exact")  # BATON_PACKED_PREFILL
+PACKED_DECODES = ("auto", "int8", "bf16")  # BATON_PACKED_DECODE
 # Rows from which "bf16x3" runs the split kernel; fewer take the wide (int16) tiled kernel: the
 # weight's dequantize and split, once a call, cost more than the tiles save on a few rows.
 SPLIT_MIN_ROWS = 64
@@ -77,6 +78,7 @@ def packed_form(
     head: bool,
     prefill: str = "auto",
     dtype: torch.dtype = torch.float32,
+    decode: str = "auto",
 ) -> None:
     """The form a GGUF weight kept quantized takes in an engine of ``role``.
 
@@ -84,9 +86,12 @@ def packed_form(
     their tiles (:meth:`QuantWeight.tile`, in place: a tied embedding gathers its rows from
     them) and a tiled kernel runs every row count: they keep their lead over dequantize + SGEMM
     at a prompt's hundreds of rows too (docs/perf-log.md, "Packed prefill on the tiles"), and a
-    sequence's numbers do not depend on the batch it decodes in. Decode (and an engine without
-    a role) takes the int8 kernel. The prefill engine takes :func:`prefill_arith`'s arithmetic
-    (BATON_PACKED_PREFILL; "auto": the most exact of the fast ones this CPU has):
+    sequence's numbers do not depend on the batch it decodes in. An engine without a role takes
+    the int8 kernel; decode takes :func:`decode_arith`'s (BATON_PACKED_DECODE; "auto": where
+    the CPU has AMX, from 32 rows a step a bf16 model's arithmetic on its bf16 tiles, ~1.6x the
+    int8 kernel's pace at 64 rows, docs/perf-log.md "Packed decode on AMX's bf16 tiles"; fewer
+    rows, and elsewhere, the int8 kernel). The prefill engine takes :func:`prefill_arith`'s
+    arithmetic (BATON_PACKED_PREFILL; "auto": the most exact of the fast ones this CPU has):
 
     - "bf16x3" (AMX): from SPLIT_MIN_ROWS rows the weight is dequantized once a call and x and
       w each split into two bf16s, three tile products (kernels/cpu/split_bf16.py: ~4e-6 of
@@ -118,8 +123,21 @@ def packed_form(
         else:
             if arith is not None:
                 weight.small_mode = arith
+            elif role == "decode":
+                weight.small_mode = decode_arith(decode)
             if weight.small_mode != "f32":
                 weight.small_max_rows = 1 << 62
+
+
+def decode_arith(decode: str) -> str:
+    """What the decode engine computes tiled packed projections in for ``decode``
+    (BATON_PACKED_DECODE): "bf16" (the int8 kernel below the kernels' ``bf16_rows``) where the
+    CPU has AMX's bf16 tiles and the choice is "auto" or "bf16", else "int8"."""
+    if decode not in PACKED_DECODES:
+        raise ValueError(f"BATON_PACKED_DECODE={decode!r}: one of {PACKED_DECODES}")
+    kernels = load_quant_kernels()
+    amx = kernels is not None and kernels.bf16_rows > 0
+    return "bf16" if decode != "int8" and amx else "int8"
 
 
 def prefill_arith(prefill: str, dtype: torch.dtype = torch.float32) -> str:
@@ -183,6 +201,7 @@ def prepare_projections(
     decode_linear: str = "tiles",
     packed_prefill: str = "auto",
     dtype: torch.dtype = torch.float32,
+    packed_decode: str = "auto",
 ) -> int:
     """Transpose every :class:`Projection`'s weight and, where dense tiles (the decode role,
     ``decode_linear``), oneDNN or MKL can, pack it too; returns the number packed. ``role``:
@@ -190,13 +209,15 @@ def prepare_projections(
     it is (the embedding's row gather wants ``[vocab, hidden]``, contiguous) and is still
     packed; in the decode engine's tiles it serves the embedding too (:func:`embed_from_head`).
     A GGUF weight kept quantized (:class:`QuantWeight`) takes :func:`packed_form`'s form
-    (``packed_prefill``: the prefill engine's choice; ``dtype``: the model's)."""
+    (``packed_prefill`` and ``packed_decode``: the engines' choices; ``dtype``: the model's)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: one of {ROLES}")
     if decode_linear not in DECODE_LINEARS:
         raise ValueError(f"BATON_DECODE_LINEAR={decode_linear!r}: one of {DECODE_LINEARS}")
     if packed_prefill not in PACKED_PREFILLS:
         raise ValueError(f"BATON_PACKED_PREFILL={packed_prefill!r}: one of {PACKED_PREFILLS}")
+    if packed_decode not in PACKED_DECODES:
+        raise ValueError(f"BATON_PACKED_DECODE={packed_decode!r}: one of {PACKED_DECODES}")
     # By storage: the loader assigns a tied head its own Parameter over the embedding's tensor.
     tied = {
         m.weight.data_ptr()
@@ -207,7 +228,7 @@ def prepare_projections(
     packed = 0
     for module in model.modules():
         if isinstance(module, Projection) and isinstance(module.packed, QuantWeight):
-            packed_form(module.packed, role, module is head, packed_prefill, dtype)
+            packed_form(module.packed, role, module is head, packed_prefill, dtype, packed_decode)
             continue
         if not isinstance(module, Projection) or module.weight.is_meta:
             continue

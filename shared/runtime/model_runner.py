@@ -138,7 +138,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             # A CPU decode step is bound by streaming weights and KV from memory.
             num_packed = prepare_projections(
-                self.model, role, config.decode_linear, config.packed_prefill, self.dtype
+                self.model,
+                role,
+                config.decode_linear,
+                config.packed_prefill,
+                self.dtype,
+                config.packed_decode,
             )
             release_freed_memory()  # the buffers loading went through
             log.info("projections transposed", packed=num_packed,

@@ -213,3 +213,29 @@ def test_auto_takes_the_split_kernel_where_the_cpu_has_amx() -> None:
     # "bf16": the bf16 GEMM where there is one, for an fp32 model (a bf16 model's exact path)
     assert prefill_arith("bf16") == ("bf16" if bf16_gemm() else "exact")
     assert prefill_arith("bf16", torch.bfloat16) == "exact"
+
+
+def test_the_decode_engine_takes_the_bf16_tiles_where_the_cpu_has_amx() -> None:
+    """BATON_PACKED_DECODE=auto (the default): small_mode "bf16" (int8 below the kernels'
+    bf16_rows, AMX's bf16 tiles from it) where the CPU has AMX, else int8; "int8" is int8
+    everywhere; an unknown choice is refused. Only the decode role takes it."""
+    from kernels.cpu.quant_formats import QuantType, quantize
+    from kernels.cpu.quant_linear import QuantWeight, load_quant_kernels
+    from shared.config import BatonConfig
+    from shared.runtime.linear_layout import decode_arith, packed_form
+
+    assert BatonConfig().packed_decode == "auto"
+    kernels = load_quant_kernels()
+    amx = kernels is not None and kernels.bf16_rows > 0
+    assert decode_arith("auto") == decode_arith("bf16") == ("bf16" if amx else "int8")
+    assert decode_arith("int8") == "int8"
+    with pytest.raises(ValueError, match="BATON_PACKED_DECODE"):
+        decode_arith("int4")
+    if kernels is None or kernels.tile_rows == 0:
+        return
+    raw = quantize(torch.randn(32, 64), QuantType.Q8_0)
+    for role, choice, mode in (("decode", "auto", decode_arith("auto")), ("decode", "int8", "int8"),
+                               (None, "auto", "int8")):  # fmt: skip
+        weight = QuantWeight(raw.clone(), QuantType.Q8_0, 64, kernels)
+        packed_form(weight, role, False, decode=choice)
+        assert weight.tiled and weight.small_mode == mode, (role, choice)

@@ -264,46 +264,6 @@ bf16_block(const int T, const int MB, const uint16_t *w, int64_t k, const uint32
 #endif
 
 
-#if defined(HAVE_AMX)
-/* AMX (Sapphire Rapids and later): the bf16 tiles are already AMX's B operand. A tile's pairs
- * for k = 32c .. 32c+31 are 16 rows of 64 bytes (pair p of the 16 weight rows), contiguous:
- * one tileloadd. x's MB rows of those 32 k are the A operand, read in place (stride: x's row).
- * Up to four groups at once, each its own accumulator tile (tmm0-3; A in tmm4, B in tmm5). */
-/* This thread's tiles for MB x rows: C tmm0-3 (MB x 16 fp32), A tmm4 (MB x 32 bf16), B tmm5. */
-static void amx_configure(int64_t mb)
-{
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 6; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = t == 5 ? TR : (uint8_t)mb;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-/* The sums of MB x rows against T tiles from w, into acc [T][MB][16] (fp32). */
-#define AMX_STEP(T_, t_)                                                                       \
-    if (T_ > t_) {                                                                             \
-        _tile_loadd(5, w + t_ * TR * k + c * 32 * TR, 64);                                     \
-        _tile_dpbf16ps(t_, 4, 5);                                                              \
-    }
-#define AMX_STORE(T_, t_)                                                                      \
-    if (T_ > t_) _tile_stored(t_, acc + t_ * TR * TR, 64);
-static inline __attribute__((always_inline)) void
-amx_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *acc)
-{
-    if (T > 0) _tile_zero(0);
-    if (T > 1) _tile_zero(1);
-    if (T > 2) _tile_zero(2);
-    if (T > 3) _tile_zero(3);
-    for (int64_t c = 0; c < k / 32; c++) {
-        _tile_loadd(4, x + c * 32, k * 2);
-        AMX_STEP(T, 0) AMX_STEP(T, 1) AMX_STEP(T, 2) AMX_STEP(T, 3)
-    }
-    AMX_STORE(T, 0) AMX_STORE(T, 1) AMX_STORE(T, 2) AMX_STORE(T, 3)
-}
-#endif
 
 /* ---------------------------------------------------------------------------------------------
  * The driver: each part's groups, in runs of T tiles, against the x rows in blocks.
@@ -402,13 +362,13 @@ static void amx_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64_t k,
             const uint16_t *wg = w + g * TR * k;
             for (int64_t m0 = 0; m0 < m; m0 += TR) {
                 const int64_t rows = m - m0 < TR ? m - m0 : TR;
-                if (rows != configured) amx_configure(configured = rows);
+                if (rows != configured) amx_bf16_configure(configured = rows);
                 const uint16_t *xm = x + m0 * k;
                 switch (t) {
-                case 4: amx_sums(4, wg, k, xm, acc); break;
-                case 3: amx_sums(3, wg, k, xm, acc); break;
-                case 2: amx_sums(2, wg, k, xm, acc); break;
-                default: amx_sums(1, wg, k, xm, acc); break;
+                case 4: amx_bf16_sums(4, wg, k, xm, acc); break;
+                case 3: amx_bf16_sums(3, wg, k, xm, acc); break;
+                case 2: amx_bf16_sums(2, wg, k, xm, acc); break;
+                default: amx_bf16_sums(1, wg, k, xm, acc); break;
                 }
                 for (int tt = 0; tt < t; tt++) {
                     const int64_t col0 = (g + tt) * TR;

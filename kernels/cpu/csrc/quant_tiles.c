@@ -290,6 +290,7 @@ INLINE void group_rows(const int64_t qtype, const int wide, const int mr, const 
 #include "amx.h"
 #endif
 #include "quant_tiles_amx.h"
+#include "quant_tiles_bf16.h"
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TILE_PATH "avx2"
@@ -447,13 +448,19 @@ typedef void (*group_fn)(const uint8_t *, int64_t, const void *, int, int, float
 /* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w)^T + bias (or NULL), w the
  * tiles of n rows, x in one byte a value or two (wide). 0; -1 for an unknown type or k not a
  * multiple of 32; -2 if the quantized x cannot be allocated. */
-static int tiles_linear(const int wide, const int amx, const uint8_t *w, int64_t qtype,
-                        int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx,
-                        const float *bias, float *y, int64_t parts)
+static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows,
+                        const uint8_t *w, int64_t qtype, int64_t n, int64_t k, const float *x,
+                        int64_t m, int64_t ldx, const float *bias, float *y, int64_t parts)
 {
     const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
     if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
+#ifdef HAVE_AMX_BF16
+    if (m >= bf16_rows && amx_permitted())
+        return amx_bf16_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
+#else
+    (void)bf16_rows;
+#endif
 #ifdef HAVE_AMX_INT8
     /* the int8 kernel gains nothing there: its float work per block, not its dots, sets its pace */
     if (wide && amx && m >= AMX_MIN_ROWS && amx_permitted())
@@ -492,12 +499,14 @@ static int tiles_linear(const int wide, const int amx, const uint8_t *w, int64_t
     return 0;
 }
 
+#define NEVER INT64_MAX /* tiles_linear's bf16_rows: the int8 kernel at every row count */
+
 /* x rounded to int8 per block (the decode step's kernel). */
 int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
                              int64_t parts)
 {
-    return tiles_linear(0, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(0, 0, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* x in two bytes a value (xblock2): within 1/256 of the int8 kernel's rounding, at about twice
@@ -507,7 +516,34 @@ int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, in
                                   const float *x, int64_t m, int64_t ldx, const float *bias,
                                   float *y, int64_t parts)
 {
-    return tiles_linear(1, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(1, 1, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
+
+/* In a bf16 model's arithmetic on AMX's bf16 tiles (quant_tiles_bf16.h) at every row count; -3
+ * where the build or the CPU has no AMX. */
+int baton_quant_tiles_linear_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t ldx, const float *bias,
+                                  float *y, int64_t parts)
+{
+#ifdef HAVE_AMX_BF16
+    if (amx_permitted()) return tiles_linear(0, 0, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+#endif
+    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
+    (void)parts;
+    return -3;
+}
+
+/* The decode step's kernel where the CPU has AMX: the int8 kernel below BF16_MIN_ROWS rows, a
+ * bf16 model's arithmetic on the bf16 tiles from it (the int8 kernel's alone elsewhere). */
+int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                      const float *x, int64_t m, int64_t ldx, const float *bias,
+                                      float *y, int64_t parts)
+{
+#ifdef HAVE_AMX_BF16
+    return tiles_linear(0, 0, BF16_MIN_ROWS, w, qtype, n, k, x, m, ldx, bias, y, parts);
+#else
+    return tiles_linear(0, 0, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
+#endif
 }
 
 /* baton_quant_tiles_linear_wide on vpdpbusd whatever the CPU (what AMX's is checked against). */
@@ -515,7 +551,7 @@ int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t 
                                        const float *x, int64_t m, int64_t ldx, const float *bias,
                                        float *y, int64_t parts)
 {
-    return tiles_linear(1, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(1, 0, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 #else
 #define TILE_PATH "none"
@@ -543,6 +579,20 @@ int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t 
 {
     return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
+
+int baton_quant_tiles_linear_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t ldx, const float *bias,
+                                  float *y, int64_t parts)
+{
+    return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts); /* -3 */
+}
+
+int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                      const float *x, int64_t m, int64_t ldx, const float *bias,
+                                      float *y, int64_t parts)
+{
+    return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
 #endif
 
 /* Which unit the wide kernel runs on from AMX_MIN_ROWS rows: "amx-int8" or the tiles' path. */
@@ -552,6 +602,16 @@ const char *baton_quant_tiles_wide_path(void)
     if (amx_permitted()) return "amx-int8";
 #endif
     return TILE_PATH;
+}
+
+/* From how many rows baton_quant_tiles_linear_amx_bf16 takes AMX's bf16 tiles; 0: never (no
+ * AMX here). */
+int64_t baton_quant_tiles_bf16_rows(void)
+{
+#ifdef HAVE_AMX_BF16
+    if (amx_permitted()) return BF16_MIN_ROWS;
+#endif
+    return 0;
 }
 
 /* Rows a tile holds where this build has the kernel; 0: weights keep their row layout. */

@@ -1,0 +1,195 @@
+/* The tiled linear of quant_tiles.c in a bf16 model's arithmetic on AMX's bf16 tiles: each weight
+ * dequantized as gguf-py does (fp32: d * q, (d * q) + m, d * (q - 8)) and rounded once to bf16,
+ * x rounded to bf16, the products summed in fp32 by tdpbf16ps (denormals flushed), bias added
+ * last: F.linear over the bf16 model of the dequantized weights, up to the order of the sums.
+ *
+ * Why: the int8 kernel pays float work per (weight row, x row, block): a block's scales are per
+ * x row and weight row, so no unit can sum more than one block before it. At a decode batch of
+ * 64 that work, not the weights' bytes, set the step's pace on a Sapphire Rapids. Here the
+ * float work is per weight, once a call whatever the rows: a group's blocks are dequantized into
+ * B tiles in this thread's scratch, and the x rows meet them 16 at a time, the tile unit summing
+ * the whole of k (docs/perf-log.md, "Packed decode on AMX's bf16 tiles").
+ *
+ * Included by quant_tiles.c inside its AVX-512 VNNI build, after amx.h. The B tile of block b is
+ * dense_tiles.c's bf16 layout: pair row p holds the 16 weight rows' (k, k+1) for k = 32b + 2p,
+ * and a Q tile's chunks give them as they lie: chunk c's lane r holds row r's quant bytes
+ * 4c .. 4c+3, so its bytes 0-1 are pair 2c, bytes 2-3 pair 2c+1 (Q8_0); a Q4 byte's low nibble
+ * is element j, its high one j + 16 (pairs 2c, 2c+1 from the low nibbles, 8 + 2c, 9 + 2c from
+ * the high ones). Each pair row is two fp32 vectors (the even k of the 16 rows, the odd k),
+ * rounded together (vcvtne2ps2bf16) and interleaved into (even, odd) dwords (vpermw). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <omp.h>
+#define HAVE_AMX_BF16 1
+#define BF16_RUN 4 /* groups whose B tiles are made before the x rows meet them (tmm0-3) */
+/* Rows from which the decode step's call (baton_quant_tiles_linear_amx_bf16) takes these tiles:
+ * the weight's dequantize, once a call, costs about what the int8 kernel spends on 24-32 rows
+ * (docs/perf-log.md, "Packed decode on AMX's bf16 tiles"). */
+#define BF16_MIN_ROWS 32
+
+/* The (even, odd) pair of the 16 rows as pair row `p` of the B tile at out. */
+INLINE void put_pair(uint16_t *out, int p, __m512 even, __m512 odd)
+{
+    /* word 2r <- word r (even's row r), word 2r + 1 <- word 16 + r (odd's) */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    _mm512_store_si512(out + p * 32, _mm512_permutexvar_epi16(order, both));
+}
+
+/* One Q tile (16 rows' block) as the block's B tile, 512 bf16 at out (64-byte aligned). qtype is
+ * a constant where this is inlined. */
+INLINE void dequant_tile_bf16(const int64_t qtype, const uint8_t *t, uint16_t *out)
+{
+    const int64_t sb = scale_bytes(qtype);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+    if (qtype == QT_Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int c = 0; c < 8; c++) { /* signed again, then each byte sign-extended */
+            const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(t + sb + 64 * c), flip);
+            __m512 w[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
+                w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+            }
+            put_pair(out, 2 * c, w[0], w[1]);
+            put_pair(out, 2 * c + 1, w[2], w[3]);
+        }
+        return;
+    }
+    const __m512 mv = qtype == QT_Q4_1
+                          ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 2 * TR)))
+                          : _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(t + sb + 64 * c);
+        for (int h = 0; h < 2; h++) { /* the low nibbles, then the high ones */
+            __m512 w[4];
+            for (int j = 0; j < 4; j++) {
+                __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j + 4 * h), low);
+                if (qtype == QT_Q4_0) q = _mm512_sub_epi32(q, eight);
+                w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+                if (qtype == QT_Q4_1) w[j] = _mm512_add_ps(w[j], mv);
+            }
+            put_pair(out, 8 * h + 2 * c, w[0], w[1]);
+            put_pair(out, 8 * h + 2 * c + 1, w[2], w[3]);
+        }
+    }
+}
+
+/* The B tiles of a run of groups still to be made, made a slice at a time between the tile
+ * products of the run before: the vector units dequantize while the tile unit sums. A run's
+ * tiles lie one after another (a group's nb, then the next group's), as their B tiles do. */
+typedef struct {
+    const uint8_t *src; /* the run's first Q tile */
+    uint16_t *dst;      /* its first B tile */
+    int64_t total, done;
+} bf16_cursor;
+
+INLINE void dequant_upto(const int64_t qtype, bf16_cursor *cur, int64_t target)
+{
+    const int64_t tile = TR * block_bytes(qtype);
+    for (; cur->done < target; cur->done++)
+        dequant_tile_bf16(qtype, cur->src + cur->done * tile, cur->dst + cur->done * 512);
+}
+
+#define BF16_STEP(t_)                                                                          \
+    if (t > t_) {                                                                              \
+        _tile_loadd(5, B + t_ * TR * k + c * 32 * TR, 64);                                     \
+        _tile_dpbf16ps(t_, 4, 5);                                                              \
+    }
+
+/* One part's groups [g0, g1) in runs of BF16_RUN: each run's B tiles (made during the run
+ * before, the first run's up front) against the x rows 16 at a time, into y (+ bias). `runs`:
+ * the part's two scratch runs. qtype is a constant where this is inlined. */
+INLINE void bf16_part(const int64_t qtype, const uint8_t *w, int64_t n, int64_t k,
+                      const uint16_t *xb, int64_t m, const float *bias, float *y, int64_t g0,
+                      int64_t g1, uint16_t *runs[2])
+{
+    const int64_t nb = k / QK, group_bytes = TR * nb * block_bytes(qtype);
+    const int64_t xblocks = (m + TR - 1) / TR;
+    float acc[BF16_RUN * TR * TR] __attribute__((aligned(64)));
+    int64_t configured = 0;
+    bf16_cursor first = {w + g0 * group_bytes, runs[0], (g1 - g0 < BF16_RUN ? g1 - g0 : BF16_RUN) * nb, 0};
+    dequant_upto(qtype, &first, first.total);
+    for (int64_t g = g0, r = 0; g < g1; g += BF16_RUN, r++) {
+        const int t = g1 - g < BF16_RUN ? (int)(g1 - g) : BF16_RUN;
+        const uint16_t *B = runs[r & 1];
+        const int64_t gn = g + BF16_RUN, tn = g1 - gn < BF16_RUN ? g1 - gn : BF16_RUN;
+        bf16_cursor next = {w + gn * group_bytes, runs[(r + 1) & 1], gn < g1 ? tn * nb : 0, 0};
+        const int64_t steps = xblocks * nb;
+        for (int64_t i = 0, m0 = 0; i < xblocks; i++, m0 += TR) {
+            const int64_t rows = m - m0 < TR ? m - m0 : TR;
+            if (rows != configured) amx_bf16_configure(configured = rows);
+            _tile_zero(0);
+            if (t > 1) _tile_zero(1);
+            if (t > 2) _tile_zero(2);
+            if (t > 3) _tile_zero(3);
+            for (int64_t c = 0; c < nb; c++) {
+                _tile_loadd(4, xb + m0 * k + c * 32, k * 2);
+                BF16_STEP(0) BF16_STEP(1) BF16_STEP(2) BF16_STEP(3)
+                dequant_upto(qtype, &next, (i * nb + c + 1) * next.total / steps);
+            }
+            _tile_stored(0, acc, 64);
+            if (t > 1) _tile_stored(1, acc + TR * TR, 64);
+            if (t > 2) _tile_stored(2, acc + 2 * TR * TR, 64);
+            if (t > 3) _tile_stored(3, acc + 3 * TR * TR, 64);
+            for (int tt = 0; tt < t; tt++) {
+                const int64_t n0 = (g + tt) * TR;
+                const int nvalid = (int)(n - n0 < TR ? n - n0 : TR);
+                const __mmask16 keep = (__mmask16)((1u << nvalid) - 1);
+                const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0)
+                                       : _mm512_setzero_ps();
+                for (int64_t j = 0; j < rows; j++) {
+                    const __m512 a = _mm512_load_ps(acc + (tt * TR + j) * TR);
+                    _mm512_mask_storeu_ps(y + (m0 + j) * n + n0, keep, _mm512_add_ps(a, bv));
+                }
+            }
+        }
+    }
+    if (configured) _tile_release();
+}
+
+#define BF16_PART_FN(NAME, QT)                                                                 \
+    static void NAME(const uint8_t *w, int64_t n, int64_t k, const uint16_t *xb, int64_t m,    \
+                     const float *bias, float *y, int64_t g0, int64_t g1, uint16_t *runs[2])   \
+    {                                                                                          \
+        bf16_part(QT, w, n, k, xb, m, bias, y, g0, g1, runs);                                  \
+    }
+BF16_PART_FN(bf16_part_q4_0, QT_Q4_0)
+BF16_PART_FN(bf16_part_q4_1, QT_Q4_1)
+BF16_PART_FN(bf16_part_q8_0, QT_Q8_0)
+
+/* tiles_linear on AMX's bf16 tiles: 0, or -2 if the bf16 x or the scratch cannot be
+ * allocated. */
+static int amx_bf16_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                 const float *x, int64_t m, int64_t ldx, const float *bias,
+                                 float *y, int64_t parts)
+{
+    const int64_t groups = (n + TR - 1) / TR;
+    const int64_t x_elems = (m * k + 31) / 32 * 32, run_elems = BF16_RUN * TR * k;
+    uint16_t *mem = aligned_alloc(64, (size_t)(x_elems + 2 * parts * run_elems) * sizeof *mem);
+    if (mem == NULL) return -2;
+    uint16_t *xb = mem;
+    void (*part)(const uint8_t *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
+                 float *, int64_t, int64_t, uint16_t *[2]) =
+        qtype == QT_Q4_0 ? bf16_part_q4_0 : qtype == QT_Q4_1 ? bf16_part_q4_1 : bf16_part_q8_0;
+#pragma omp parallel num_threads(parts) if (parts > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < k; j += 32) {
+                const __m512 lo = _mm512_loadu_ps(x + r * ldx + j);
+                const __m512 hi = _mm512_loadu_ps(x + r * ldx + j + 16);
+                _mm512_storeu_si512(xb + r * k + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        const int p = omp_get_thread_num(), np = omp_get_num_threads();
+        uint16_t *runs[2] = {mem + x_elems + 2 * p * run_elems,
+                             mem + x_elems + (2 * p + 1) * run_elems};
+        const int64_t g0 = groups * p / np, g1 = groups * (p + 1) / np;
+        if (g0 < g1) part(w, n, k, xb, m, bias, y, g0, g1, runs);
+    }
+    free(mem);
+    return 0;
+}
+#endif
