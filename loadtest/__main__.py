@@ -69,6 +69,7 @@ COMMANDS: dict[str, Command] = {
     "gguf-variants": Command("engine.gguf_variants"),
     "real-model-parity": Command("engine.real_model_parity"),
     "bf16-agreement": Command("engine.bf16_agreement"),
+    "packed-decode-agreement": Command("engine.packed_decode_agreement"),
     "logprobs-cost": Command("engine.logprobs_cost"),
     # loadtest/faults/
     "chaos": Command("faults.chaos"),

@@ -244,6 +244,21 @@ class QuantKernels:
             fn = self._tiles_linear_wide if amx else self._tiles_linear_wide_vnni
         return self._run(fn, tiles.data_ptr(), int(qtype), n, k, x, bias)
 
+    def linear_tiles_bf16(
+        self,
+        tiles: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """As :meth:`linear_tiles` in a bf16 model's arithmetic on AMX's bf16 tiles at every row
+        count (csrc/quant_tiles_bf16.h): ``F.linear`` over x and the dequantized weight each
+        rounded to bf16, up to the fp32 sums' order. Where :attr:`bf16_rows` is 0 (no AMX) it
+        raises."""
+        return self._run(self._tiles_linear_bf16, tiles.data_ptr(), int(qtype), n, k, x, bias)
+
     def _run(
         self,
         fn: Callable[..., int],
@@ -264,6 +279,8 @@ class QuantKernels:
         if rc != 0:
             if rc == -2:
                 raise MemoryError("quant_linear: no memory for the quantized activations")
+            if rc == -3:
+                raise RuntimeError("quant_linear: this build or CPU has no such kernel")
             raise ValueError(f"quant_linear refused type {qtype} with in_features {k}")
         return out
 

@@ -7,7 +7,9 @@ projection shapes, per weight type and row count, one thread and all of them:
 Per (type, N x K, M): microseconds per call of the fp32 kernel (``f32``: each weight block
 dequantized in registers, x kept fp32), of the int8 kernel on the row layout (``int8``) and on
 tiles of 16 rows (``tiles``: the decode engine's form where the build has it,
-kernels/cpu/csrc/quant_tiles.c; ``-`` elsewhere), of dequantize + SGEMM (``deq+gemm``: the
+kernels/cpu/csrc/quant_tiles.c; ``-`` elsewhere), of the same tiles in a bf16 model's arithmetic on
+AMX's bf16 tiles (``bf16``: the decode engine's from 32 rows where the CPU has AMX,
+kernels/cpu/csrc/quant_tiles_bf16.h; ``-`` elsewhere), of dequantize + SGEMM (``deq+gemm``: the
 path above ``small_max_rows``, into the reused scratch) and of ``F.linear`` on the already
 dequantized fp32 weight (``fp32``: what an unquantized model pays); the kernels' GFLOP/s
 (2 M N K per call) and the f32 kernel's packed-weight bytes read per second. Each figure is the
@@ -54,6 +56,11 @@ def per_call_us(fn: Callable[[], object], budget_s: float) -> float:
     return statistics.median(times) * 1e6
 
 
+def _col(us: float, kflop: float) -> str:
+    """A kernel's microseconds and GFLOP/s, or dashes where it did not run."""
+    return f"{us:9.1f} {kflop / us:7.1f}" if us < float("inf") else f"{'-':>9} {'-':>7}"
+
+
 def cpu_model() -> str:
     return cpu_isa.cpuinfo("model name") or platform.processor() or platform.machine()
 
@@ -74,7 +81,7 @@ def bench(
           f"INT8_MAX_ROWS {INT8_MAX_ROWS}")  # fmt: skip
     print(f"{'type':5} {'N x K':>11} {'M':>3} {'thr':>3} | {'f32 us':>9} {'GB/s':>6} "
           f"{'GFLOP/s':>7} | {'int8 us':>9} {'GFLOP/s':>7} | {'tiles us':>9} {'GFLOP/s':>7} | "
-          f"{'deq+gemm':>9} | {'fp32 us':>9}")  # fmt: skip
+          f"{'bf16 us':>9} {'GFLOP/s':>7} | {'deq+gemm':>9} | {'fp32 us':>9}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     try:
@@ -85,6 +92,7 @@ def bench(
                 weight = QuantWeight(raw, qtype, k, kernels)
                 dense = weight.dequantize()
                 tiles = kernels.pack_tiles(raw, qtype, k) if kernels.tile_rows else None
+                amx = tiles is not None and kernels.bf16_rows > 0
                 for m in rows:
                     x = torch.randn(m, k, generator=g)
                     for t in threads:
@@ -95,6 +103,9 @@ def bench(
                             None
                             if tiles is None
                             else partial(kernels.linear_tiles, tiles, qtype, n, k, x, None),
+                            None
+                            if tiles is None or not amx
+                            else partial(kernels.linear_tiles_bf16, tiles, qtype, n, k, x, None),
                             partial(weight.linear_dequantized, x),
                             partial(F.linear, x, dense),
                         ]
@@ -103,14 +114,13 @@ def bench(
                             for i, call in enumerate(calls):
                                 if call is not None:
                                     best[i] = min(best[i], per_call_us(call, budget_s))
-                        f32, int8, tiled, deq, fp32 = best
+                        f32, int8, tiled, bf16, deq, fp32 = best
                         flop = 2 * m * n * k / 1e3
-                        tiled_col = (f"{tiled:9.1f} {flop / tiled:7.1f}" if tiles is not None
-                                     else f"{'-':>9} {'-':>7}")  # fmt: skip
+
                         print(f"{name.upper():5} {f'{n}x{k}':>11} {m:>3} {t:>3} | "
                               f"{f32:9.1f} {weight.nbytes / f32 / 1e3:6.1f} {flop / f32:7.1f} | "
-                              f"{int8:9.1f} {flop / int8:7.1f} | {tiled_col} | {deq:9.1f} | "
-                              f"{fp32:9.1f}")  # fmt: skip
+                              f"{int8:9.1f} {flop / int8:7.1f} | {_col(tiled, flop)} | "
+                              f"{_col(bf16, flop)} | {deq:9.1f} | {fp32:9.1f}")  # fmt: skip
     finally:
         torch.set_num_threads(before)
 

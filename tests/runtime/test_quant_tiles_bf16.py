@@ -28,7 +28,7 @@ def kernels() -> QuantKernels:
 
 def _bf16_linear(kernels: QuantKernels, tiles: torch.Tensor, qtype: QuantType, n: int, k: int,
                  x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    return kernels._run(kernels._tiles_linear_bf16, tiles.data_ptr(), int(qtype), n, k, x, bias)
+    return kernels.linear_tiles_bf16(tiles, qtype, n, k, x, bias)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
