@@ -178,12 +178,15 @@ class QuantKernels:
         # count (-3 without AMX), and small_mode "bf16"'s kernel: those tiles from bf16_rows rows
         self._tiles_linear_bf16 = lib.baton_quant_tiles_linear_bf16
         self._tiles_linear_amx_bf16 = lib.baton_quant_tiles_linear_amx_bf16
+        # the bf16 tiles with x and y bf16 (a bf16 model's decode program, from bf16_rows rows)
+        self._tiles_linear_bf16_io = lib.baton_quant_tiles_linear_bf16_io
         for fn in (
             self._tiles_linear,
             self._tiles_linear_wide,
             self._tiles_linear_wide_vnni,
             self._tiles_linear_bf16,
             self._tiles_linear_amx_bf16,
+            self._tiles_linear_bf16_io,
         ):
             fn.argtypes, fn.restype = self._linear.argtypes, ctypes.c_int
         self._tiles_pack = lib.baton_quant_tiles_pack

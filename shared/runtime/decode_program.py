@@ -281,7 +281,8 @@ class DecodePrograms:
         b: dict[str, torch.Tensor],
     ) -> None:
         """``y = p.project(x)`` as the eager call runs it (the same kernel, split and bias; a
-        packed weight under a bf16 model: x to fp32 and y back, around the int8 kernel)."""
+        packed weight under a bf16 model: x to fp32 and y back around the int8 kernel, and the
+        bf16 tiles' own bf16 rows from their ``bf16_rows``)."""
         m, k = x.shape
         n = y.shape[1]
         w, kind = p.packed, _linear_kind(p, self.dtype)
@@ -304,13 +305,19 @@ class DecodePrograms:
             raise ValueError(f"{m} rows: past the packed weight's decode kernel")
         fn = w._small_kernel(w.kernels)  # the eager call's own choice (int8: tiles or rows; bf16)
         assert fn is not None
+        parts = quant_parts(m, n, k)
+        if self.dtype == torch.bfloat16 and w.small_mode == "bf16" and 0 < w.kernels.bf16_rows <= m:
+            # the eager call's bf16 tiles taking and giving bf16 rows: its bits, no fp32 copies
+            program.add(prog.QUANT_LINEAR, prog.address(w.kernels._tiles_linear_bf16_io),
+                        [w._raw_ptr, w._qtype, n, k, x.data_ptr(), m, k, bias, y.data_ptr(),
+                         parts])  # fmt: skip
+            return
         x_at, y_at = x.data_ptr(), y.data_ptr()
         if self.dtype != torch.float32:
             # fp32 x [m, k] and y [m, n], contiguous, at the start of the scratch rows
             x_at, y_at = b["x32"].data_ptr(), b["y32"].data_ptr()
             program.add(prog.TO_F32, None, [x.data_ptr(), k, m, k, x_at, k])
         program.add(prog.QUANT_LINEAR, prog.address(fn),
-                    [w._raw_ptr, w._qtype, n, k, x_at, m, k, bias, y_at,
-                     quant_parts(m, n, k)])  # fmt: skip
+                    [w._raw_ptr, w._qtype, n, k, x_at, m, k, bias, y_at, parts])  # fmt: skip
         if self.dtype != torch.float32:
             program.add(prog.TO_BF16, None, [y_at, n, m, n, y.data_ptr(), n])

@@ -457,7 +457,7 @@ static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows,
     if (m == 0 || n == 0) return 0;
 #ifdef HAVE_AMX_BF16
     if (m >= bf16_rows && amx_permitted())
-        return amx_bf16_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
+        return amx_bf16_tiles_linear(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 #else
     (void)bf16_rows;
 #endif
@@ -546,6 +546,27 @@ int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n
 #endif
 }
 
+/* baton_quant_tiles_linear_bf16 for a bf16 model's rows: x [m, k] (rows ldx apart) and y [m, n]
+ * bf16, bias fp32 (or NULL); the same bits as widening x, the fp32 call and rounding y to
+ * nearest even as torch does (but for a denormal y, flushed to zero), without the fp32 copies: a
+ * bf16 model's decode step from bf16_rows rows (shared/runtime/decode_program.py). -3 where the
+ * build or the CPU has no AMX. */
+int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                     const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
+                                     uint16_t *y, int64_t parts)
+{
+#ifdef HAVE_AMX_BF16
+    if (amx_permitted()) {
+        if (row_blocks(qtype, k) == 0) return -1;
+        if (m == 0 || n == 0) return 0;
+        return amx_bf16_tiles_linear(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    }
+#endif
+    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
+    (void)parts;
+    return -3;
+}
+
 /* baton_quant_tiles_linear_wide on vpdpbusd whatever the CPU (what AMX's is checked against). */
 int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                                        const float *x, int64_t m, int64_t ldx, const float *bias,
@@ -592,6 +613,15 @@ int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n
                                       float *y, int64_t parts)
 {
     return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
+
+int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                     const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
+                                     uint16_t *y, int64_t parts)
+{
+    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
+    (void)parts;
+    return -3;
 }
 #endif
 

@@ -103,7 +103,7 @@ INLINE void dequant_upto(const int64_t qtype, bf16_cursor *cur, int64_t target)
  * before, the first run's up front) against the x rows 16 at a time, into y (+ bias). `runs`:
  * the part's two scratch runs. qtype is a constant where this is inlined. */
 INLINE void bf16_part(const int64_t qtype, const uint8_t *w, int64_t n, int64_t k,
-                      const uint16_t *xb, int64_t m, const float *bias, float *y, int64_t g0,
+                      const uint16_t *xb, int64_t m, const float *bias, void *y, int y16, int64_t g0,
                       int64_t g1, uint16_t *runs[2])
 {
     const int64_t nb = k / QK, group_bytes = TR * nb * block_bytes(qtype);
@@ -142,7 +142,13 @@ INLINE void bf16_part(const int64_t qtype, const uint8_t *w, int64_t n, int64_t 
                                        : _mm512_setzero_ps();
                 for (int64_t j = 0; j < rows; j++) {
                     const __m512 a = _mm512_load_ps(acc + (tt * TR + j) * TR);
-                    _mm512_mask_storeu_ps(y + (m0 + j) * n + n0, keep, _mm512_add_ps(a, bv));
+                    const __m512 out = _mm512_add_ps(a, bv);
+                    const int64_t at = (m0 + j) * n + n0;
+                    if (y16) /* rounded to nearest even, as torch rounds (denormals flushed) */
+                        _mm256_mask_storeu_epi16((uint16_t *)y + at, keep,
+                                                 (__m256i)_mm512_cvtneps_pbh(out));
+                    else
+                        _mm512_mask_storeu_ps((float *)y + at, keep, out);
                 }
             }
         }
@@ -152,19 +158,21 @@ INLINE void bf16_part(const int64_t qtype, const uint8_t *w, int64_t n, int64_t 
 
 #define BF16_PART_FN(NAME, QT)                                                                 \
     static void NAME(const uint8_t *w, int64_t n, int64_t k, const uint16_t *xb, int64_t m,    \
-                     const float *bias, float *y, int64_t g0, int64_t g1, uint16_t *runs[2])   \
+                     const float *bias, void *y, int y16, int64_t g0, int64_t g1,              \
+                     uint16_t *runs[2])                                                         \
     {                                                                                          \
-        bf16_part(QT, w, n, k, xb, m, bias, y, g0, g1, runs);                                  \
+        bf16_part(QT, w, n, k, xb, m, bias, y, y16, g0, g1, runs);                             \
     }
 BF16_PART_FN(bf16_part_q4_0, QT_Q4_0)
 BF16_PART_FN(bf16_part_q4_1, QT_Q4_1)
 BF16_PART_FN(bf16_part_q8_0, QT_Q8_0)
 
-/* tiles_linear on AMX's bf16 tiles: 0, or -2 if the bf16 x or the scratch cannot be
- * allocated. */
-static int amx_bf16_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                                 const float *x, int64_t m, int64_t ldx, const float *bias,
-                                 float *y, int64_t parts)
+/* tiles_linear on AMX's bf16 tiles, x and y fp32, or bf16 both where `io16` (a bf16 model's
+ * rows: x is then used as it is, y rounded in place of torch's rounding of the fp32 result): 0,
+ * or -2 if the bf16 x or the scratch cannot be allocated. */
+static int amx_bf16_tiles_linear(const int io16, const uint8_t *w, int64_t qtype, int64_t n,
+                                 int64_t k, const void *x, int64_t m, int64_t ldx,
+                                 const float *bias, void *y, int64_t parts)
 {
     const int64_t groups = (n + TR - 1) / TR;
     const int64_t x_elems = (m * k + 31) / 32 * 32, run_elems = BF16_RUN * TR * k;
@@ -172,22 +180,27 @@ static int amx_bf16_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int
     if (mem == NULL) return -2;
     uint16_t *xb = mem;
     void (*part)(const uint8_t *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
-                 float *, int64_t, int64_t, uint16_t *[2]) =
+                 void *, int, int64_t, int64_t, uint16_t *[2]) =
         qtype == QT_Q4_0 ? bf16_part_q4_0 : qtype == QT_Q4_1 ? bf16_part_q4_1 : bf16_part_q8_0;
 #pragma omp parallel num_threads(parts) if (parts > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
+        for (int64_t r = 0; r < m; r++) {
+            if (io16) {
+                memcpy(xb + r * k, (const uint16_t *)x + r * ldx, (size_t)k * sizeof *xb);
+                continue;
+            }
+            const float *xr = (const float *)x + r * ldx;
             for (int64_t j = 0; j < k; j += 32) {
-                const __m512 lo = _mm512_loadu_ps(x + r * ldx + j);
-                const __m512 hi = _mm512_loadu_ps(x + r * ldx + j + 16);
+                const __m512 lo = _mm512_loadu_ps(xr + j), hi = _mm512_loadu_ps(xr + j + 16);
                 _mm512_storeu_si512(xb + r * k + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
+        }
         const int p = omp_get_thread_num(), np = omp_get_num_threads();
         uint16_t *runs[2] = {mem + x_elems + 2 * p * run_elems,
                              mem + x_elems + (2 * p + 1) * run_elems};
         const int64_t g0 = groups * p / np, g1 = groups * (p + 1) / np;
-        if (g0 < g1) part(w, n, k, xb, m, bias, y, g0, g1, runs);
+        if (g0 < g1) part(w, n, k, xb, m, bias, y, io16, g0, g1, runs);
     }
     free(mem);
     return 0;
