@@ -519,18 +519,30 @@ int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, in
     return tiles_linear(1, 1, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
-/* In a bf16 model's arithmetic on AMX's bf16 tiles (quant_tiles_bf16.h) at every row count; -3
- * where the build or the CPU has no AMX. */
+/* The bf16 tiles' entries below, x and y fp32 or (io16) bf16: -3 where the build or the CPU has
+ * no AMX. */
+static int bf16_tiles(const int io16, const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                      const void *x, int64_t m, int64_t ldx, const float *bias, void *y,
+                      int64_t parts)
+{
+#ifdef HAVE_AMX_BF16
+    if (amx_permitted()) {
+        if (row_blocks(qtype, k) == 0) return -1;
+        if (m == 0 || n == 0) return 0;
+        return amx_bf16_tiles_linear(io16, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    }
+#endif
+    (void)io16, (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx;
+    (void)bias, (void)y, (void)parts;
+    return -3;
+}
+
+/* In a bf16 model's arithmetic on AMX's bf16 tiles (quant_tiles_bf16.h) at every row count. */
 int baton_quant_tiles_linear_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                                   const float *x, int64_t m, int64_t ldx, const float *bias,
                                   float *y, int64_t parts)
 {
-#ifdef HAVE_AMX_BF16
-    if (amx_permitted()) return tiles_linear(0, 0, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
-#endif
-    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
-    (void)parts;
-    return -3;
+    return bf16_tiles(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* The decode step's kernel where the CPU has AMX: the int8 kernel below BF16_MIN_ROWS rows, a
@@ -549,22 +561,12 @@ int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n
 /* baton_quant_tiles_linear_bf16 for a bf16 model's rows: x [m, k] (rows ldx apart) and y [m, n]
  * bf16, bias fp32 (or NULL); the same bits as widening x, the fp32 call and rounding y to
  * nearest even as torch does (but for a denormal y, flushed to zero), without the fp32 copies: a
- * bf16 model's decode step from bf16_rows rows (shared/runtime/decode_program.py). -3 where the
- * build or the CPU has no AMX. */
+ * bf16 model's decode step from bf16_rows rows (shared/runtime/decode_program.py). */
 int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                                      const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
                                      uint16_t *y, int64_t parts)
 {
-#ifdef HAVE_AMX_BF16
-    if (amx_permitted()) {
-        if (row_blocks(qtype, k) == 0) return -1;
-        if (m == 0 || n == 0) return 0;
-        return amx_bf16_tiles_linear(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
-    }
-#endif
-    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
-    (void)parts;
-    return -3;
+    return bf16_tiles(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* baton_quant_tiles_linear_wide on vpdpbusd whatever the CPU (what AMX's is checked against). */
