@@ -24,10 +24,10 @@ C kernels of ``csrc/quant_linear.c`` (the formats and the torch reference: quant
 - ``small_mode`` "bf16", on a tiled weight (the decode engine's form where the CPU has AMX):
   from :attr:`QuantKernels.bf16_rows` rows, a bf16 model's arithmetic on AMX's bf16 tiles
   (csrc/quant_tiles_bf16.h: each weight dequantized as the reference does and rounded once to
-  bf16, x rounded to bf16, fp32 sums; ~3e-3 of the outputs' norm); fewer rows, and CPUs
-  without AMX, the int8 kernel. Its dequantize, once a call, costs what the int8 kernel spends
-  on ~30 rows; above that the tile unit sums all of k where the int8 kernel pays float work
-  per block and row: ~1.6x its pace at 64 rows.
+  bf16, x rounded to bf16, fp32 sums; ~2.4e-3 of the outputs' norm for Gaussian x, int8's
+  ~5e-3); fewer rows, and CPUs without AMX, the int8 kernel. Its dequantize, once a call,
+  costs what the int8 kernel spends on ~30 rows; above that the tile unit sums all of k where
+  the int8 kernel pays float work per block and row: ~1.6x its pace at 64 rows.
 - ``small_mode`` "f32" (up to F32_MAX_ROWS by default): the fp32 kernel, below.
 - more rows: the weight is dequantized whole to fp32 (C, threaded, bit-equal to the reference)
   into a per-thread scratch and multiplied by MKL's SGEMM: exactly

@@ -78,7 +78,7 @@ def packed_form(
     head: bool,
     prefill: str = "auto",
     dtype: torch.dtype = torch.float32,
-    decode: str = "auto",
+    decode: str = "int8",
 ) -> None:
     """The form a GGUF weight kept quantized takes in an engine of ``role``.
 
@@ -87,11 +87,12 @@ def packed_form(
     them) and a tiled kernel runs every row count: they keep their lead over dequantize + SGEMM
     at a prompt's hundreds of rows too (docs/perf-log.md, "Packed prefill on the tiles"), and a
     sequence's numbers do not depend on the batch it decodes in. An engine without a role takes
-    the int8 kernel; decode takes :func:`decode_arith`'s (BATON_PACKED_DECODE; "auto": where
-    the CPU has AMX, from 32 rows a step a bf16 model's arithmetic on its bf16 tiles, ~1.6x the
-    int8 kernel's pace at 64 rows, docs/perf-log.md "Packed decode on AMX's bf16 tiles"; fewer
-    rows, and elsewhere, the int8 kernel). The prefill engine takes :func:`prefill_arith`'s
-    arithmetic (BATON_PACKED_PREFILL; "auto": the most exact of the fast ones this CPU has):
+    the int8 kernel; decode takes ``decode``, the small mode :func:`decode_arith` resolved from
+    BATON_PACKED_DECODE ("auto": where the CPU has AMX, from 32 rows a step a bf16 model's
+    arithmetic on its bf16 tiles, ~1.6x the int8 kernel's pace at 64 rows, docs/perf-log.md
+    "Packed decode on AMX's bf16 tiles"; fewer rows, and elsewhere, the int8 kernel). The
+    prefill engine takes :func:`prefill_arith`'s arithmetic (BATON_PACKED_PREFILL; "auto": the
+    most exact of the fast ones this CPU has):
 
     - "bf16x3" (AMX): from SPLIT_MIN_ROWS rows the weight is dequantized once a call and x and
       w each split into two bf16s, three tile products (kernels/cpu/split_bf16.py: ~4e-6 of
@@ -124,7 +125,7 @@ def packed_form(
             if arith is not None:
                 weight.small_mode = arith
             elif role == "decode":
-                weight.small_mode = decode_arith(decode)
+                weight.small_mode = decode
             if weight.small_mode != "f32":
                 weight.small_max_rows = 1 << 62
 
@@ -216,8 +217,7 @@ def prepare_projections(
         raise ValueError(f"BATON_DECODE_LINEAR={decode_linear!r}: one of {DECODE_LINEARS}")
     if packed_prefill not in PACKED_PREFILLS:
         raise ValueError(f"BATON_PACKED_PREFILL={packed_prefill!r}: one of {PACKED_PREFILLS}")
-    if packed_decode not in PACKED_DECODES:
-        raise ValueError(f"BATON_PACKED_DECODE={packed_decode!r}: one of {PACKED_DECODES}")
+    decode = decode_arith(packed_decode)  # refuses an unknown choice, whatever the model
     # By storage: the loader assigns a tied head its own Parameter over the embedding's tensor.
     tied = {
         m.weight.data_ptr()
@@ -228,7 +228,7 @@ def prepare_projections(
     packed = 0
     for module in model.modules():
         if isinstance(module, Projection) and isinstance(module.packed, QuantWeight):
-            packed_form(module.packed, role, module is head, packed_prefill, dtype, packed_decode)
+            packed_form(module.packed, role, module is head, packed_prefill, dtype, decode)
             continue
         if not isinstance(module, Projection) or module.weight.is_meta:
             continue

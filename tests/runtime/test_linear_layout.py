@@ -218,7 +218,8 @@ def test_auto_takes_the_split_kernel_where_the_cpu_has_amx() -> None:
 def test_the_decode_engine_takes_the_bf16_tiles_where_the_cpu_has_amx() -> None:
     """BATON_PACKED_DECODE=auto (the default): small_mode "bf16" (int8 below the kernels'
     bf16_rows, AMX's bf16 tiles from it) where the CPU has AMX, else int8; "int8" is int8
-    everywhere; an unknown choice is refused. Only the decode role takes it."""
+    everywhere; an unknown choice is refused, by prepare_projections too. Only the decode role
+    takes it."""
     from kernels.cpu.quant_formats import QuantType, quantize
     from kernels.cpu.quant_linear import QuantWeight, load_quant_kernels
     from shared.config import BatonConfig
@@ -231,11 +232,13 @@ def test_the_decode_engine_takes_the_bf16_tiles_where_the_cpu_has_amx() -> None:
     assert decode_arith("int8") == "int8"
     with pytest.raises(ValueError, match="BATON_PACKED_DECODE"):
         decode_arith("int4")
+    with pytest.raises(ValueError, match="BATON_PACKED_DECODE"):
+        prepare_projections(nn.Sequential(), packed_decode="int4")
     if kernels is None or kernels.tile_rows == 0:
         return
     raw = quantize(torch.randn(32, 64), QuantType.Q8_0)
     for role, choice, mode in (("decode", "auto", decode_arith("auto")), ("decode", "int8", "int8"),
                                (None, "auto", "int8")):  # fmt: skip
         weight = QuantWeight(raw.clone(), QuantType.Q8_0, 64, kernels)
-        packed_form(weight, role, False, decode=choice)
+        packed_form(weight, role, False, decode=decode_arith(choice))
         assert weight.tiled and weight.small_mode == mode, (role, choice)

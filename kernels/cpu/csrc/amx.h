@@ -50,7 +50,11 @@ static inline void amx_bf16_configure(int64_t mb)
 }
 
 /* The sums of MB x rows (k bf16 each, contiguous) against T (1-4) consecutive tiles of 16 rows
- * from w, into acc [T][MB][16] (fp32): each its own accumulator tile. */
+ * from w, into acc [T][MB][16] (fp32): each its own accumulator tile. T is a constant where the
+ * loop is small, a run-time value where a large `between` would otherwise be copied per T.
+ * `between` (or NULL) is called with `ctx` and c after the products of each chunk c of 32 k:
+ * work for the vector units while the tile unit sums (quant_tiles_bf16.h makes the next B tiles
+ * there). */
 #define AMX_BF16_STEP(T_, t_)                                                                  \
     if (T_ > t_) {                                                                             \
         _tile_loadd(5, w + t_ * 16 * k + c * 32 * 16, 64);                                     \
@@ -59,7 +63,8 @@ static inline void amx_bf16_configure(int64_t mb)
 #define AMX_BF16_STORE(T_, t_)                                                                 \
     if (T_ > t_) _tile_stored(t_, acc + t_ * 16 * 16, 64);
 static inline __attribute__((always_inline)) void
-amx_bf16_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *acc)
+amx_bf16_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, float *acc,
+              void (*between)(void *, int64_t), void *ctx)
 {
     if (T > 0) _tile_zero(0);
     if (T > 1) _tile_zero(1);
@@ -68,6 +73,7 @@ amx_bf16_sums(const int T, const uint16_t *w, int64_t k, const uint16_t *x, floa
     for (int64_t c = 0; c < k / 32; c++) {
         _tile_loadd(4, x + c * 32, k * 2);
         AMX_BF16_STEP(T, 0) AMX_BF16_STEP(T, 1) AMX_BF16_STEP(T, 2) AMX_BF16_STEP(T, 3)
+        if (between) between(ctx, c);
     }
     AMX_BF16_STORE(T, 0) AMX_BF16_STORE(T, 1) AMX_BF16_STORE(T, 2) AMX_BF16_STORE(T, 3)
 }

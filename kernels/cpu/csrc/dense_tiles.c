@@ -365,10 +365,10 @@ static void amx_linear_bf16(const uint16_t *x, int64_t m, int64_t n, int64_t k,
                 if (rows != configured) amx_bf16_configure(configured = rows);
                 const uint16_t *xm = x + m0 * k;
                 switch (t) {
-                case 4: amx_bf16_sums(4, wg, k, xm, acc); break;
-                case 3: amx_bf16_sums(3, wg, k, xm, acc); break;
-                case 2: amx_bf16_sums(2, wg, k, xm, acc); break;
-                default: amx_bf16_sums(1, wg, k, xm, acc); break;
+                case 4: amx_bf16_sums(4, wg, k, xm, acc, NULL, NULL); break;
+                case 3: amx_bf16_sums(3, wg, k, xm, acc, NULL, NULL); break;
+                case 2: amx_bf16_sums(2, wg, k, xm, acc, NULL, NULL); break;
+                default: amx_bf16_sums(1, wg, k, xm, acc, NULL, NULL); break;
                 }
                 for (int tt = 0; tt < t; tt++) {
                     const int64_t col0 = (g + tt) * TR;

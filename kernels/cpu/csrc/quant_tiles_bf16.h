@@ -93,47 +93,53 @@ INLINE void dequant_upto(const int64_t qtype, bf16_cursor *cur, int64_t target)
         dequant_tile_bf16(qtype, cur->src + cur->done * tile, cur->dst + cur->done * 512);
 }
 
-#define BF16_STEP(t_)                                                                          \
-    if (t > t_) {                                                                              \
-        _tile_loadd(5, B + t_ * TR * k + c * 32 * TR, 64);                                     \
-        _tile_dpbf16ps(t_, 4, 5);                                                              \
+/* amx_bf16_sums' `between`: the next run's B tiles up to x block `block`'s chunk c, in even
+ * slices over the run's chunks. */
+typedef struct {
+    bf16_cursor next;
+    int64_t block, nb, steps; /* x block, chunks a block, chunks of the run (x blocks * nb) */
+} bf16_between;
+
+#define BETWEEN_FN(NAME, QT)                                                                   \
+    static inline __attribute__((always_inline)) void NAME(void *ctx, int64_t c)              \
+    {                                                                                          \
+        bf16_between *b = ctx;                                                                 \
+        dequant_upto(QT, &b->next, (b->block * b->nb + c + 1) * b->next.total / b->steps);     \
     }
+BETWEEN_FN(between_q4_0, QT_Q4_0)
+BETWEEN_FN(between_q4_1, QT_Q4_1)
+BETWEEN_FN(between_q8_0, QT_Q8_0)
 
 /* One part's groups [g0, g1) in runs of BF16_RUN: each run's B tiles (made during the run
- * before, the first run's up front) against the x rows 16 at a time, into y (+ bias). `runs`:
- * the part's two scratch runs. qtype is a constant where this is inlined. */
+ * before, the first run's up front) against the x rows 16 at a time, into y (+ bias; fp32, or
+ * bf16 where y16). `runs`: the part's two scratch runs. qtype is a constant where this is
+ * inlined. */
 INLINE void bf16_part(const int64_t qtype, const uint8_t *w, int64_t n, int64_t k,
-                      const uint16_t *xb, int64_t m, const float *bias, void *y, int y16, int64_t g0,
-                      int64_t g1, uint16_t *runs[2])
+                      const uint16_t *xb, int64_t m, const float *bias, void *y, int y16,
+                      int64_t g0, int64_t g1, uint16_t *runs[2])
 {
     const int64_t nb = k / QK, group_bytes = TR * nb * block_bytes(qtype);
     const int64_t xblocks = (m + TR - 1) / TR;
+    void (*between)(void *, int64_t) = qtype == QT_Q4_0   ? between_q4_0
+                                       : qtype == QT_Q4_1 ? between_q4_1
+                                                          : between_q8_0;
     float acc[BF16_RUN * TR * TR] __attribute__((aligned(64)));
     int64_t configured = 0;
-    bf16_cursor first = {w + g0 * group_bytes, runs[0], (g1 - g0 < BF16_RUN ? g1 - g0 : BF16_RUN) * nb, 0};
+    const int64_t t0 = g1 - g0 < BF16_RUN ? g1 - g0 : BF16_RUN;
+    bf16_cursor first = {w + g0 * group_bytes, runs[0], t0 * nb, 0};
     dequant_upto(qtype, &first, first.total);
     for (int64_t g = g0, r = 0; g < g1; g += BF16_RUN, r++) {
         const int t = g1 - g < BF16_RUN ? (int)(g1 - g) : BF16_RUN;
         const uint16_t *B = runs[r & 1];
         const int64_t gn = g + BF16_RUN, tn = g1 - gn < BF16_RUN ? g1 - gn : BF16_RUN;
-        bf16_cursor next = {w + gn * group_bytes, runs[(r + 1) & 1], gn < g1 ? tn * nb : 0, 0};
-        const int64_t steps = xblocks * nb;
-        for (int64_t i = 0, m0 = 0; i < xblocks; i++, m0 += TR) {
+        bf16_between ctx = {{w + gn * group_bytes, runs[(r + 1) & 1], gn < g1 ? tn * nb : 0, 0},
+                            0, nb, xblocks * nb};
+        for (int64_t m0 = 0; ctx.block < xblocks; ctx.block++, m0 += TR) {
             const int64_t rows = m - m0 < TR ? m - m0 : TR;
             if (rows != configured) amx_bf16_configure(configured = rows);
-            _tile_zero(0);
-            if (t > 1) _tile_zero(1);
-            if (t > 2) _tile_zero(2);
-            if (t > 3) _tile_zero(3);
-            for (int64_t c = 0; c < nb; c++) {
-                _tile_loadd(4, xb + m0 * k + c * 32, k * 2);
-                BF16_STEP(0) BF16_STEP(1) BF16_STEP(2) BF16_STEP(3)
-                dequant_upto(qtype, &next, (i * nb + c + 1) * next.total / steps);
-            }
-            _tile_stored(0, acc, 64);
-            if (t > 1) _tile_stored(1, acc + TR * TR, 64);
-            if (t > 2) _tile_stored(2, acc + 2 * TR * TR, 64);
-            if (t > 3) _tile_stored(3, acc + 3 * TR * TR, 64);
+            const uint16_t *xm = xb + m0 * k;
+            /* t at run time: one copy of the loop with the dequantize inlined in it */
+            amx_bf16_sums(t, B, k, xm, acc, between, &ctx);
             for (int tt = 0; tt < t; tt++) {
                 const int64_t n0 = (g + tt) * TR;
                 const int nvalid = (int)(n - n0 < TR ? n - n0 : TR);
