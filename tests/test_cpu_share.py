@@ -18,6 +18,7 @@ from shared.engine.thread_choice import (
     EXPLORE_EVERY,
     FIRST_TRIES,
     HORIZON_S,
+    TRY_RUN,
     WINDOW,
     ThreadChoice,
     bucket,
@@ -174,18 +175,34 @@ def test_services_up_leaves_sharing_engines_unpinned(monkeypatch: pytest.MonkeyP
     assert _engine_cpus(BatonConfig(device="cuda")) == split  # only CPU engines share
 
 
+def _runs(options: list[bool]) -> list[tuple[bool, int]]:
+    """(option, steps in a row) of a sequence of options."""
+    runs: list[tuple[bool, int]] = []
+    for o in options:
+        if runs and runs[-1][0] == o:
+            runs[-1] = (o, runs[-1][1] + 1)
+        else:
+            runs.append((o, 1))
+    return runs
+
+
 def test_thread_choice_runs_the_faster_option_per_batch_and_keeps_trying_the_other() -> None:
     choice = ThreadChoice(clock=lambda: 0.0)
-    for _ in range(FIRST_TRIES):  # each option measured, alternately, every core first
-        assert choice.leave(2) is False
-        choice.record(2, False, 0.004)
-        assert choice.leave(3) is True  # 2 and 3 sequences share a bucket
-        choice.record(3, True, 0.002)
-    runs = [choice.leave(2) for _ in range(2 * EXPLORE_EVERY)]
-    assert runs.count(False) == 2  # the faster, but every EXPLORE_EVERY-th step the other
+    seconds = {False: 0.004, True: 0.002}
+    first: list[bool] = []
+    while len(first) < 4 * TRY_RUN:  # each option in runs, alternately, every core first
+        leave = choice.leave(2 + len(first) % 2)  # 2 and 3 sequences share a bucket
+        choice.record(2, leave, seconds[leave])
+        first.append(leave)
+    assert _runs(first) == [(False, TRY_RUN), (True, TRY_RUN)] * 2
+    assert 2 * TRY_RUN >= FIRST_TRIES
+    after = [choice.leave(2) for _ in range(2 * EXPLORE_EVERY + 2 * TRY_RUN)]
+    # the faster, but every EXPLORE_EVERY-th step a run of the other
+    assert after.count(False) == 2 * TRY_RUN and (False, TRY_RUN) in _runs(after)
     for _ in range(WINDOW):  # the load changes: leaving a core turns slower
         choice.record(2, True, 0.006)
-    assert [choice.leave(2) for _ in range(EXPLORE_EVERY)].count(True) == 1
+    later = [choice.leave(2) for _ in range(EXPLORE_EVERY + TRY_RUN)]
+    assert later.count(True) == TRY_RUN
     assert choice.leave(64) is False and bucket(64) != bucket(2)  # a new bucket starts over
 
 
@@ -205,19 +222,51 @@ def test_thread_choice_measures_both_options_again_after_a_pause() -> None:
         return runs
 
     beside_prefill = {False: 0.060, True: 0.040}
-    runs = measured(64, beside_prefill, 2 * FIRST_TRIES + EXPLORE_EVERY)
-    assert runs[2 * FIRST_TRIES :].count(True) == EXPLORE_EVERY - 1
+    first = 4 * TRY_RUN
+    runs = measured(64, beside_prefill, first + EXPLORE_EVERY)
+    assert runs[first:].count(True) == EXPLORE_EVERY - TRY_RUN
     now[0] += HORIZON_S + 0.5  # prefill's wave held the cores meanwhile: no steps chosen
     alone = {False: 0.030, True: 0.045}
-    assert measured(64, alone, 2) == [False, True]  # each option's newest too old: both tried
-    assert measured(64, alone, EXPLORE_EVERY).count(False) == EXPLORE_EVERY - 1  # every core
+    # each option's newest too old: both tried again, in runs
+    assert measured(64, alone, 2 * TRY_RUN) == [False] * TRY_RUN + [True] * TRY_RUN
+    assert measured(64, alone, EXPLORE_EVERY).count(False) >= EXPLORE_EVERY - TRY_RUN
     # Steps as long as the horizon: it is counted in steps instead (HORIZON_STEPS of them), so
     # a pause of a few steps leaves the option not chosen measured recently enough; in seconds
     # alone it would be tried again every other step.
     slow = {False: HORIZON_S, True: 2 * HORIZON_S}
-    measured(1, slow, 2 * FIRST_TRIES)
+    measured(1, slow, first)
     now[0] += 3 * HORIZON_S
-    assert measured(1, slow, EXPLORE_EVERY - 1).count(True) <= 1
+    assert measured(1, slow, EXPLORE_EVERY - 1).count(True) <= TRY_RUN
+
+
+def test_a_step_after_a_change_of_thread_count_is_not_measured(table: Path) -> None:
+    """The first step after the team's size changes is slow whichever the option (it re-forms):
+    counted, a lone try of the option not chosen measured the switch, not the option."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        decode = CpuShareManager(table, 2, choose_threads=True)
+        choice = decode.choice
+        assert choice is not None
+        recorded: list[tuple[bool, int]] = []
+        record = choice.record
+
+        def counted(seqs: int, leave: bool, seconds: float) -> None:
+            recorded.append((leave, torch.get_num_threads()))
+            record(seqs, leave, seconds)
+
+        choice.record = counted  # type: ignore[method-assign]
+        options = []
+        for _ in range(4 * TRY_RUN):
+            decode.run_step(True, lambda: None, seqs=4)
+            options.append(decode._leave)
+        assert _runs(options) == [(False, TRY_RUN), (True, TRY_RUN)] * 2
+        # every run's first step is a switch (the very first has no step before it)
+        assert len(recorded) == 4 * (TRY_RUN - 1)
+        assert all(threads == (1 if leave else 2) for leave, threads in recorded)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_decode_step_leaves_a_core_only_where_that_was_faster(table: Path) -> None:

@@ -52,9 +52,13 @@ class FreshPrompts:
 class PrefillKernel:
     def __init__(self, lib: ctypes.CDLL, path: Path, max_threads: int) -> None:
         self.path = path
-        self._attend = lib.baton_prefill_attention_f32
-        self._attend.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I]
-        self._attend.restype = ctypes.c_int
+        self._attend = {
+            torch.float32: lib.baton_prefill_attention_f32,
+            torch.bfloat16: lib.baton_prefill_attention_bf16,
+        }
+        for fn in self._attend.values():
+            fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I]
+            fn.restype = ctypes.c_int
         self.max_threads = max(1, max_threads)
         lanes = lib.baton_prefill_attention_lanes
         lanes.argtypes, lanes.restype = [], ctypes.c_int64
@@ -72,15 +76,18 @@ class PrefillKernel:
         scale: float, out: torch.Tensor, window: int | None = None,
     ) -> None:  # fmt: skip
         """Causal attention of each of ``prompts``' row ranges into those rows of ``out``: q and
-        out ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, fp32 CPU, heads contiguous within a row
-        (rows may be strided, as in views of a fused projection). Other rows of ``out`` are left
-        as they are. ``window``: a sliding window (row i sees rows i - window + 1 .. i)."""
+        out ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, CPU, all fp32 or all bf16 (computed in
+        fp32, each output rounded once), heads contiguous within a row (rows may be strided, as
+        in views of a fused projection). Other rows of ``out`` are left as they are.
+        ``window``: a sliding window (row i sees rows i - window + 1 .. i)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
+        attend = self._attend.get(q.dtype)
         for name, t, heads in (("q", q, num_heads), ("k", k, num_kv_heads), ("v", v, num_kv_heads),
                                ("out", out, num_heads)):  # fmt: skip
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"{name} must be fp32 on the CPU, got {t.dtype} on {t.device}")
+            if attend is None or t.dtype != q.dtype or t.device.type != "cpu":
+                raise ValueError(f"{name} must be fp32 or bf16 (as q) on the CPU, got {t.dtype}"
+                                 f" on {t.device}")  # fmt: skip
             if t.shape != (num_tokens, heads, head_dim) or t.stride()[1:] != (head_dim, 1):
                 raise ValueError(f"{name} {tuple(t.shape)} strides {t.stride()}: rows of heads")
         if not self.supports(head_dim) or num_heads % num_kv_heads:
@@ -92,7 +99,8 @@ class PrefillKernel:
         num_seqs = prompts.bounds.shape[0]
         if not num_seqs:
             return
-        failed = self._attend(
+        assert attend is not None
+        failed = attend(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             prompts.bounds.data_ptr(), num_seqs, prompts.max_len, num_heads, num_kv_heads,
             head_dim, window or 0, scale, out.data_ptr(), out.stride(0), self.parts(num_seqs),

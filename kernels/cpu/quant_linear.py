@@ -178,8 +178,11 @@ class QuantKernels:
         # count (-3 without AMX), and small_mode "bf16"'s kernel: those tiles from bf16_rows rows
         self._tiles_linear_bf16 = lib.baton_quant_tiles_linear_bf16
         self._tiles_linear_amx_bf16 = lib.baton_quant_tiles_linear_amx_bf16
-        # the bf16 tiles with x and y bf16 (a bf16 model's decode program, from bf16_rows rows)
+        # the bf16 tiles with x and y bf16 at every row count (-3 without AMX)
         self._tiles_linear_bf16_io = lib.baton_quant_tiles_linear_bf16_io
+        # the int8 kernel and small_mode "bf16"'s, x and y bf16: a bf16 model's decode program
+        self._tiles_linear_io16 = lib.baton_quant_tiles_linear_io16
+        self._tiles_linear_amx_bf16_io16 = lib.baton_quant_tiles_linear_amx_bf16_io16
         for fn in (
             self._tiles_linear,
             self._tiles_linear_wide,
@@ -187,6 +190,8 @@ class QuantKernels:
             self._tiles_linear_bf16,
             self._tiles_linear_amx_bf16,
             self._tiles_linear_bf16_io,
+            self._tiles_linear_io16,
+            self._tiles_linear_amx_bf16_io16,
         ):
             fn.argtypes, fn.restype = self._linear.argtypes, ctypes.c_int
         self._tiles_pack = lib.baton_quant_tiles_pack
@@ -211,6 +216,16 @@ class QuantKernels:
         self.tiles_isa = isa().decode()  # "avx512-vnni", "avx2" or "none"
         # the wide kernel's unit from 16 rows: "amx-int8" (the same result), else tiles_isa
         self.wide_isa: str = wide_isa().decode()
+
+    def io16_twin(self, fn: Callable[..., int]) -> Callable[..., int] | None:
+        """The entry that runs the tiled small kernel ``fn`` on bf16 x and y, the bits of
+        widening x, ``fn`` and torch's rounding of y (but where ``fn`` runs the bf16 tiles: a
+        denormal y flushed to zero); None where ``fn`` has none."""
+        if fn is self._tiles_linear:
+            return self._tiles_linear_io16
+        if fn is self._tiles_linear_amx_bf16:
+            return self._tiles_linear_amx_bf16_io16
+        return None
 
     def linear(
         self, raw: torch.Tensor, qtype: int, k: int, x: torch.Tensor, bias: torch.Tensor | None

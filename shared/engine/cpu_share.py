@@ -201,10 +201,14 @@ class CpuShareManager:
             self._follow_budget(busy)
             return step()
         leave = self._leave = choice.leave(seqs)
+        before = self.threads
         self._follow_budget(busy)
         threads, started = self.threads, time.perf_counter()
         out = step()
-        if self.threads == threads:  # not rebalanced meanwhile: the time is the option's
+        # The time is the option's where the team ran the whole step at the count of the step
+        # before: not rebalanced meanwhile, and not the first step after a change of count
+        # (shared/engine/thread_choice.py: that one is slower whichever the option).
+        if self.threads == threads == before:
             choice.record(seqs, leave, time.perf_counter() - started)
         return out
 

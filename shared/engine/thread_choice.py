@@ -22,6 +22,14 @@ chosen came from the first phase and stayed for hundreds of steps (a new one eve
 (docs/perf-log.md, "Decode's thread choice follows the load"). So a mean counts only
 measurements within a horizon (``HORIZON_S``, or ``HORIZON_STEPS`` steps where steps are long),
 and an option whose newest measurement is older is tried at the next step.
+
+A step's time also depends on the step before it. The first step after the thread count changes
+is slow (on a Zen 5, a step on every core right after steps on one: 23-46 ms against 10-16 ms in
+a run of them), so a lone try of the option not chosen, every ``EXPLORE_EVERY`` steps, measured
+the switch and kept decode on one core for whole passes where every core was a third faster
+(docs/perf-log.md, "Decode's thread choice: tries in runs"). So an option is tried for
+``TRY_RUN`` steps in a row, and a step whose thread count differs from the step's before is not
+counted (:meth:`shared.engine.cpu_share.CpuShareManager.run_step`).
 """
 
 from __future__ import annotations
@@ -30,13 +38,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-# How often the option not chosen is tried: rarely enough that a wrong try costs little (one
-# step in sixteen a few ms slower), often enough to follow a change of load within seconds.
-EXPLORE_EVERY = 16
+# How often the option not chosen is tried: rarely enough that a wrong try costs little (a run
+# of TRY_RUN steps in EXPLORE_EVERY a few ms slower), often enough to follow a change of load
+# within seconds.
+EXPLORE_EVERY = 32
+# Steps a try runs: the first, after the switch, is not counted; the others are.
+TRY_RUN = 3
 # Step times an option's mean is over: enough to average out a preempted step or two, few
 # enough to follow the load.
 WINDOW = 32
-# Each option is measured this often, alternately, before the means decide.
+# Each option is measured this often (in runs, alternately) before the means decide.
 FIRST_TRIES = 4
 # How far back a mean looks: seconds, or this many steps of the bucket's last length where that
 # is longer (a step of a large model can take seconds; the option not chosen is measured every
@@ -52,12 +63,13 @@ def bucket(seqs: int) -> int:
 
 class ThreadChoice:
     """Per batch bucket, the recent step times of each option (``leave``: one core fewer) with
-    when they ended, and which option to run next."""
+    when they ended, the try running, and which option to run next."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._times: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
         self._steps: dict[int, int] = {}
+        self._trying: dict[int, tuple[bool, int]] = {}  # bucket: (option, steps it has left)
 
     def _window(self, b: int, leave: bool) -> deque[tuple[float, float]]:
         return self._times.setdefault((b, leave), deque(maxlen=WINDOW))
@@ -65,16 +77,25 @@ class ThreadChoice:
     def leave(self, seqs: int) -> bool:
         """Whether the next step of ``seqs`` sequences leaves a core."""
         b = bucket(seqs)
+        option, left = self._trying.get(b, (False, 0))
+        if left:
+            self._trying[b] = (option, left - 1)
+            return option
         n = self._steps[b] = self._steps.get(b, 0) + 1
         full, fewer = self._window(b, False), self._window(b, True)
-        if len(fewer) < FIRST_TRIES:
-            return len(full) > len(fewer)  # alternate: every core first
+        if min(len(full), len(fewer)) < FIRST_TRIES:
+            return self._try(b, len(full) > len(fewer))  # alternate: every core first
         now = self.clock()
         newest = max(full[-1], fewer[-1])  # (when, seconds) of the bucket's last step
         since = now - max(HORIZON_S, HORIZON_STEPS * newest[1])
         best = _mean(fewer, since) < _mean(full, since)
         stale = (full if best else fewer)[-1][0] < since  # the other's newest, too old
-        return not best if stale or n % EXPLORE_EVERY == 0 else best
+        return self._try(b, not best) if stale or n % EXPLORE_EVERY == 0 else best
+
+    def _try(self, b: int, option: bool) -> bool:
+        """Run ``option`` for the next TRY_RUN steps of bucket ``b``."""
+        self._trying[b] = (option, TRY_RUN - 1)
+        return option
 
     def record(self, seqs: int, leave: bool, seconds: float) -> None:
         self._window(bucket(seqs), leave).append((self.clock(), seconds))

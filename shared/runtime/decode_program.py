@@ -281,8 +281,9 @@ class DecodePrograms:
         b: dict[str, torch.Tensor],
     ) -> None:
         """``y = p.project(x)`` as the eager call runs it (the same kernel, split and bias; a
-        packed weight under a bf16 model: x to fp32 and y back around the int8 kernel, and the
-        bf16 tiles' own bf16 rows from their ``bf16_rows``)."""
+        tiled packed weight under a bf16 model: the kernel's entry that takes and gives bf16
+        rows, the eager call's bits with the conversions in the kernel's threads; an untiled
+        one: x to fp32 and y back around it)."""
         m, k = x.shape
         n = y.shape[1]
         w, kind = p.packed, _linear_kind(p, self.dtype)
@@ -306,9 +307,9 @@ class DecodePrograms:
         fn = w._small_kernel(w.kernels)  # the eager call's own choice (int8: tiles or rows; bf16)
         assert fn is not None
         parts = quant_parts(m, n, k)
-        if self.dtype == torch.bfloat16 and w.small_mode == "bf16" and 0 < w.kernels.bf16_rows <= m:
-            # the eager call's bf16 tiles taking and giving bf16 rows: its bits, no fp32 copies
-            program.add(prog.QUANT_LINEAR, prog.address(w.kernels._tiles_linear_bf16_io),
+        io16 = w.kernels.io16_twin(fn) if self.dtype == torch.bfloat16 else None
+        if io16 is not None:
+            program.add(prog.QUANT_LINEAR, prog.address(io16),
                         [w._raw_ptr, w._qtype, n, k, x.data_ptr(), m, k, bias, y.data_ptr(),
                          parts])  # fmt: skip
             return

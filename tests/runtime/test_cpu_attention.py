@@ -232,15 +232,19 @@ def test_without_a_compiler_the_torch_path_serves(
 
 
 def test_backend_choice() -> None:
-    """fp32 or bf16 on CPU: the decode kernel (an int8 cache, fp32 only: its own; the prefill
-    kernel: fp32 only); "torch" or another dtype: torch."""
+    """fp32 or bf16 on CPU: the decode kernel (an int8 cache, fp32 only: its own) and, where it
+    serves, the prefill kernel; "torch" or another dtype: torch."""
+    from kernels.cpu.prefill_attention import load_prefill_kernel
     from shared.runtime.kv_codec import make_kv_codec
 
+    prefill = load_prefill_kernel()
+    serves = prefill is not None and prefill.serves
     assert select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="torch").name == "torch"
     assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16).name == "torch+c-decode"
     bf16 = select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.bfloat16, head_dim=64)
-    assert bf16.name == "torch+c-decode"  # no prefill kernel in bf16
-    assert select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.float16).name == "torch"
+    assert bf16.name == "torch+c-decode" + ("+prefill" if serves else "")
+    fp16 = select_backend(CPU, 8, 16, 2, 1.0, dtype=torch.float16, head_dim=64)
+    assert fp16.name == "torch"
     int8 = make_kv_codec("int8")
     assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8).name == "torch+c-int8"
     assert select_backend(CPU, 8, 16, 2, 1.0, codec=int8, dtype=torch.bfloat16).name == "torch"

@@ -1,7 +1,8 @@
 """The C prefill attention (kernels/cpu/prefill_attention.py) against an fp64 reference
 and SDPA, over head sizes (specialised and generic), groups and prompt lengths (one token, a
 tile, one past it, several tiles); strided inputs, its thread split, the rows it must leave
-alone, its input checks, and the backend's split between it and SDPA."""
+alone, its input checks, and the backend's split between it and SDPA; over a bf16 model's rows,
+the fp32 kernel on the widened rows, each output rounded once."""
 
 from __future__ import annotations
 
@@ -95,6 +96,68 @@ def test_agrees_with_sdpa_as_the_model_uses_it(kernel: PrefillKernel) -> None:
         torch.testing.assert_close(out[first:end], sdpa, atol=2e-6, rtol=0)
 
 
+def _bf16_emulation(q, k, v, ranges, scale):  # type: ignore[no-untyped-def]
+    """What the kernel computes over bf16 rows, in torch: fp32 scores and softmax, the
+    probabilities rounded to bf16 after their sum is taken, fp32 P V, the output rounded."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    for first, end in ranges:
+        qs = q[first:end].float().transpose(0, 1)
+        ks = k[first:end].float().repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[first:end].float().repeat_interleave(group, 1).transpose(0, 1)
+        n = end - first
+        s = (qs @ ks.transpose(1, 2) * scale).masked_fill(
+            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")
+        )
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        o = (p.bfloat16().float() @ vs) * (1 / p.sum(-1, keepdim=True))
+        out[first:end] = o.transpose(0, 1).bfloat16()
+    return out
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (2, 2, 48)])
+def test_bf16_rows_round_as_sdpa_rounds(
+    kernel: PrefillKernel, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """bf16 q, k, v (strided views of one projection) and out, the rows between the prompts left
+    alone, the same bits on any thread count: within float rounding of the torch emulation of
+    its arithmetic (an output a bf16 step apart where the fp32 sums round across a boundary),
+    within bf16's rounding of the fp64 reference, and equal to SDPA's bf16 kernel for most
+    outputs (it too rounds the probabilities to bf16: without that, fewer than 3 in 4 are)."""
+    ranges, num_tokens = _ranges([1, 16, 17, 130], gap=2)
+    q, k, v = (t.bfloat16() for t in _qkv(num_tokens, num_heads, num_kv_heads, head_dim, 7))
+    prompts, scale = FreshPrompts.of(ranges, num_tokens), head_dim**-0.5
+    outs = []
+    for threads in (1, 2):
+        out = torch.full((num_tokens, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
+        with torch_threads(threads):
+            kernel.attend(q, k, v, prompts, scale, out)
+        outs.append(out)
+    out = outs[0]
+    assert torch.equal(outs[1], out)
+    covered = torch.zeros(num_tokens, dtype=torch.bool)
+    for first, end in ranges:
+        covered[first:end] = True
+    assert bool((out[~covered] == 7.0).all())
+    emulated = _bf16_emulation(q, k, v, ranges, scale)[covered]
+    torch.testing.assert_close(out[covered], emulated, atol=0, rtol=2**-7)  # one bf16 step
+    assert float((out[covered] == emulated).float().mean()) > 0.95
+    torch.testing.assert_close(out[covered].double(), reference(q, k, v, ranges, scale)[covered],
+                               atol=2e-2, rtol=1e-2)  # fmt: skip
+    group = num_heads // num_kv_heads
+    for first, end in ranges:
+        sdpa = F.scaled_dot_product_attention(
+            q[first:end].transpose(0, 1)[None],
+            k[first:end].repeat_interleave(group, 1).transpose(0, 1)[None],
+            v[first:end].repeat_interleave(group, 1).transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+        )[0].transpose(0, 1)
+        assert float((out[first:end] == sdpa).float().mean()) > 0.85, end - first
+    with pytest.raises(ValueError, match="as q"):
+        kernel.attend(q, k.float(), v, prompts, scale, out)
+
+
 def test_leaves_other_rows_alone_and_splits_on_threads(kernel: PrefillKernel) -> None:
     """Rows between the ranges (another sequence's, computed by SDPA) are not written; two
     threads give the same bits as one."""
@@ -121,7 +184,7 @@ def test_refuses_what_it_cannot_compute(kernel: PrefillKernel) -> None:
     q, k, v = _qkv(10, 4, 2, 32, seed=3)
     prompts = FreshPrompts.of([(0, 10)], 10)
     out = torch.empty(10, 4, 32)
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match="fp32 or bf16"):
         kernel.attend(q.double(), k, v, prompts, 1.0, out)
     with pytest.raises(ValueError, match="rows of heads"):
         kernel.attend(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, prompts, 1.0, out)
@@ -165,12 +228,14 @@ def test_the_backend_sends_fresh_prompts_to_it_and_prefix_chunks_to_sdpa(
 def test_backend_choice(
     kernel: PrefillKernel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """fp32 CPU with a head size it takes, on a build with 16-lane registers: the prefill
-    kernel too; otherwise SDPA alone (on AVX2 SDPA is the faster)."""
+    """fp32 or bf16 CPU with a head size it takes, on a build with 16-lane registers: the
+    prefill kernel too; otherwise SDPA alone (on AVX2 SDPA is the faster)."""
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
     with_kernel = "torch+c-decode+prefill" if kernel.serves else "torch+c-decode"
     assert kernel.serves == ("avx512f" in cpu_isa.cpu_flags() and cpu_isa.current() == "native")
     assert select_backend(CPU, 8, 16, 2, 1.0, head_dim=32).name == with_kernel
+    bf16 = torch.bfloat16
+    assert select_backend(CPU, 8, 16, 2, 1.0, dtype=bf16, head_dim=32).name == with_kernel
     assert select_backend(CPU, 8, 16, 2, 1.0, head_dim=40).name == "torch+c-decode"
     assert select_backend(CPU, 8, 16, 2, 1.0).name == "torch+c-decode"
     assert select_backend(CPU, 8, 16, 2, 1.0, cpu_attention="torch", head_dim=32).name == "torch"

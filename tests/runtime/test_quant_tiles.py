@@ -177,3 +177,34 @@ def test_a_tiled_weight_serves_every_method(kernels: QuantKernels) -> None:
     weight.small_mode = "f32"  # no fp32 kernel over tiles: dequantize + SGEMM, exact
     assert torch.equal(weight.linear(x), F.linear(x, w))
     assert not QuantWeight(raw, QuantType.Q4_1, 96, kernels=None).tile()  # the torch reference
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_rows_in_and_out_are_the_fp32_call_rounded(
+    kernels: QuantKernels, qtype: QuantType
+) -> None:
+    """A bf16 model's decode program calls the small kernels with bf16 x and y
+    (:meth:`QuantKernels.io16_twin`): the bits of widening x, the fp32 call and torch's rounding
+    of its y, whatever the rows (across AMX's bf16_rows where it has them), a bias, x's row
+    stride or the threads, with non-finite values kept."""
+    g = torch.Generator().manual_seed(int(qtype) + 23)
+    n, k = 100, 576
+    tiles = kernels.pack_tiles(quantize(torch.randn(n, k, generator=g) * 0.05, qtype), qtype, k)
+    for fn in (kernels._tiles_linear, kernels._tiles_linear_amx_bf16):
+        io16 = kernels.io16_twin(fn)
+        assert io16 is not None
+        for m, bias, parts in ((1, None, 1), (16, torch.randn(n, generator=g), 2), (33, None, 2)):
+            x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows 2k apart
+            x[0, 5] = float("inf")
+            b = None if bias is None else bias.data_ptr()
+            y32 = torch.empty(m, n)
+            x32 = x.float()
+            assert fn(tiles.data_ptr(), int(qtype), n, k, x32.data_ptr(), m, k, b,
+                      y32.data_ptr(), parts) == 0  # fmt: skip
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            assert io16(tiles.data_ptr(), int(qtype), n, k, x.data_ptr(), m, x.stride(0), b,
+                        y.data_ptr(), parts) == 0  # fmt: skip
+            want = y32.bfloat16()
+            assert torch.equal(y.isnan(), want.isnan()), (qtype.name, m)
+            assert torch.equal(y.nan_to_num(0.0), want.nan_to_num(0.0)), (qtype.name, m)
+    assert kernels.io16_twin(kernels._tiles_linear_wide) is None

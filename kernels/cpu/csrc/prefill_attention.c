@@ -19,12 +19,21 @@
  * query head hq uses KV head hq / group (transformers' repeat_kv order). The exp is Cephes'
  * single-precision polynomial on 16 lanes (within a few ulp of expf), so the numbers equal SDPA's
  * up to rounding, like the decode kernel's. Work items (sequence, KV head) split into up to
- * `parts` ranges on torch's OpenMP team (one runtime, as in paged_decode_attention.c). */
+ * `parts` ranges on torch's OpenMP team (one runtime, as in paged_decode_attention.c).
+ *
+ * A bf16 model's rows (baton_prefill_attention_bf16): q, k, v and out bf16. K and V are widened
+ * into their tiles as they are copied, each query head's rows of the sequence into an fp32
+ * scratch, the probabilities rounded to bf16 before P V (their sum taken before: what SDPA's
+ * bf16 kernel does for a prompt within its key block of 512, so a bf16 model's prompt agrees
+ * with Hugging Face's), and each output row computed in fp32 is rounded once to bf16 (to
+ * nearest even, as torch rounds). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "vec16.h"
+
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline v16 splat(float x) /* not 0 + x: without -ffast-math that is a scalar add */
 {
@@ -76,14 +85,32 @@ static inline v16 exp16(v16 x)
 }
 
 struct call {
-    const float *q, *k, *v;
-    int64_t q_stride, k_stride, v_stride, out_stride; /* floats between consecutive tokens */
+    const void *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride, out_stride; /* elements between consecutive tokens */
     const int64_t *seq_bounds;                        /* [num_seqs][2]: first, end */
     int64_t num_heads, num_kv_heads, head_dim, max_len;
     int64_t window; /* a sliding window; 0: none */
     float scale;
-    float *out;
+    void *out;
+    int bf16; /* q, k, v and out bf16, else fp32 */
 };
+
+static inline float widen(const void *p, int64_t i, int bf16)
+{
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) /* as torch: to nearest, ties to even; NaN quiet */
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 /* Sixteen query rows r0.. r0 + nr - 1 (nr <= 16) of query head hq, as register-blocked tiles:
  * scores 16 rows x 16 keys at a time (each K load feeds 16 FMAs, 16 independent chains), then
@@ -97,7 +124,8 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
                                                         float *restrict S, int64_t n16,
                                                         int64_t r0, int64_t nr, int64_t W,
                                                         float scale, float *restrict out,
-                                                        int64_t out_stride, const int64_t D)
+                                                        int64_t out_stride, const int64_t D,
+                                                        const int round_p)
 {
     const float *qr[16];
     for (int r = 0; r < 16; r++) qr[r] = q + (r0 + (r < nr ? r : 0)) * q_stride;
@@ -137,6 +165,11 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
         sum = (v16){0};
         for (int64_t t = first; t < own; t++) sum += load16(sr + t * 16);
         inv[r] = 1.0f / hsum16(sum);
+        if (round_p) /* to bf16, nearest even (no NaN here: finite scores, exp16 finite) */
+            for (int64_t t = first; t < own; t++) {
+                const v16u b = (v16u)load16(sr + t * 16);
+                store16(sr + t * 16, (v16)((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u));
+            }
     }
     enum { MAXV = 16 };
     const int64_t nv = D / 16, R = nv >= 8 ? 2 : 16 / nv > 8 ? 8 : 16 / nv;
@@ -161,42 +194,60 @@ static inline __attribute__((always_inline)) void block(const float *restrict q,
 
 static void block_generic(const float *q, int64_t q_stride, const float *kt, const float *vt,
                           float *S, int64_t n16, int64_t r0, int64_t nr, int64_t W, float scale,
-                          float *out, int64_t out_stride, int64_t D)
+                          float *out, int64_t out_stride, int64_t D, int round_p)
 {
-    block(q, q_stride, kt, vt, S, n16, r0, nr, W, scale, out, out_stride, D);
+    block(q, q_stride, kt, vt, S, n16, r0, nr, W, scale, out, out_stride, D, round_p);
 }
 
-/* Every query row of KV head h's query heads in one sequence. */
-static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, float *vt, float *S)
+/* Every query row of KV head h's query heads in one sequence; qo: bf16's scratch for a query
+ * head's rows in (and out) in fp32, [max_len][D]. */
+static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, float *vt, float *S,
+                   float *qo)
 {
     const int64_t start = c->seq_bounds[2 * seq], n = c->seq_bounds[2 * seq + 1] - start;
     const int64_t D = c->head_dim, group = c->num_heads / c->num_kv_heads, n16 = (n + 15) & ~15;
+    const int bf16 = c->bf16;
+    const int64_t es = bf16 ? 2 : 4; /* bytes an element */
+    const char *k = c->k, *v = c->v;
     for (int64_t j = 0; j < n; j++) {
-        const float *kj = c->k + (start + j) * c->k_stride + h * D;
-        const float *vj = c->v + (start + j) * c->v_stride + h * D;
+        const char *kj = k + ((start + j) * c->k_stride + h * D) * es;
+        const char *vj = v + ((start + j) * c->v_stride + h * D) * es;
         if (j + 4 < n) { /* rows are a projection's row apart: ask ahead for the next ones */
-            __builtin_prefetch(kj + 4 * c->k_stride);
-            __builtin_prefetch(vj + 4 * c->v_stride);
+            __builtin_prefetch(kj + 4 * c->k_stride * es);
+            __builtin_prefetch(vj + 4 * c->v_stride * es);
         }
-        for (int64_t d = 0; d < D; d++) kt[d * n16 + j] = kj[d];
-        memcpy(vt + j * D, vj, (size_t)D * sizeof *vt);
+        for (int64_t d = 0; d < D; d++) kt[d * n16 + j] = widen(kj, d, bf16);
+        for (int64_t d = 0; d < D; d++) vt[j * D + d] = widen(vj, d, bf16);
     }
     for (int64_t d = 0; d < D; d++) /* the last tile's columns past n score 0, then drop out */
         for (int64_t j = n; j < n16; j++) kt[d * n16 + j] = 0.f;
     memset(vt + n * D, 0, (size_t)((n16 - n) * D) * sizeof *vt); /* weight 0 times 0, not NaN */
     for (int64_t g = 0; g < group; g++) {
         const int64_t hq = h * group + g;
-        const float *q = c->q + start * c->q_stride + hq * D;
-        float *out = c->out + start * c->out_stride + hq * D;
+        const float *q = (const float *)c->q + start * c->q_stride + hq * D;
+        float *out = (float *)c->out + start * c->out_stride + hq * D;
+        int64_t qs = c->q_stride, os = c->out_stride;
+        if (bf16) { /* the head's rows widened; computed into the same rows, rounded after */
+            const uint16_t *qb = (const uint16_t *)c->q + start * c->q_stride + hq * D;
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t d = 0; d < D; d++) qo[r * D + d] = widen(qb + r * qs, d, 1);
+            q = out = qo;
+            qs = os = D;
+        }
         for (int64_t r0 = 0; r0 < n; r0 += 16) {
             const int64_t nr = n - r0 < 16 ? n - r0 : 16;
             const int64_t W = c->window;
             switch (D) {
-            case 32: block(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, 32); break;
-            case 64: block(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, 64); break;
-            case 128: block(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, 128); break;
-            default: block_generic(q, c->q_stride, kt, vt, S, n16, r0, nr, W, c->scale, out, c->out_stride, D);
+            case 32: block(q, qs, kt, vt, S, n16, r0, nr, W, c->scale, out, os, 32, bf16); break;
+            case 64: block(q, qs, kt, vt, S, n16, r0, nr, W, c->scale, out, os, 64, bf16); break;
+            case 128: block(q, qs, kt, vt, S, n16, r0, nr, W, c->scale, out, os, 128, bf16); break;
+            default: block_generic(q, qs, kt, vt, S, n16, r0, nr, W, c->scale, out, os, D, bf16);
             }
+        }
+        if (bf16) {
+            uint16_t *ob = (uint16_t *)c->out + start * c->out_stride + hq * D;
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t d = 0; d < D; d++) ob[r * c->out_stride + d] = round_bf16(qo[r * D + d]);
         }
     }
 }
@@ -205,12 +256,26 @@ static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, floa
 static int run_part(const struct call *c, int64_t w0, int64_t w1)
 {
     const int64_t n16 = (c->max_len + 15) & ~15, D = c->head_dim;
-    float *buf = malloc(sizeof(float) * (size_t)(2 * D * n16 + 16 * n16));
+    const int64_t qo = c->bf16 ? D * n16 : 0;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * D * n16 + 16 * n16 + qo));
     if (buf == NULL) return 1;
     for (int64_t w = w0; w < w1; w++)
-        attend(c, w / c->num_kv_heads, w % c->num_kv_heads, buf, buf + D * n16, buf + 2 * D * n16);
+        attend(c, w / c->num_kv_heads, w % c->num_kv_heads, buf, buf + D * n16, buf + 2 * D * n16,
+               buf + 2 * D * n16 + 16 * n16);
     free(buf);
     return 0;
+}
+
+static int run(const struct call *c, int64_t num_seqs, int64_t parts)
+{
+    const int64_t work = num_seqs * c->num_kv_heads;
+    if (parts > work) parts = work;
+    if (parts < 1) parts = 1;
+    /* The parts run on torch's OpenMP team (see paged_decode_attention.c's split_rows). */
+    int failed = 0;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
+    for (int64_t i = 0; i < parts; i++) failed |= run_part(c, work * i / parts, work * (i + 1) / parts);
+    return failed;
 }
 
 /* 0 on success; 1 if scratch memory could not be had (out is then incomplete). */
@@ -221,15 +286,21 @@ int baton_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
                                 float scale, float *out, int64_t out_stride, int64_t parts)
 {
     const struct call c = {q, k, v, q_stride, k_stride, v_stride, out_stride, seq_bounds,
-                           num_heads, num_kv_heads, head_dim, max_len, window, scale, out};
-    const int64_t work = num_seqs * num_kv_heads;
-    if (parts > work) parts = work;
-    if (parts < 1) parts = 1;
-    /* The parts run on torch's OpenMP team (see paged_decode_attention.c's split_rows). */
-    int failed = 0;
-#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
-    for (int64_t i = 0; i < parts; i++) failed |= run_part(&c, work * i / parts, work * (i + 1) / parts);
-    return failed;
+                           num_heads, num_kv_heads, head_dim, max_len, window, scale, out, 0};
+    return run(&c, num_seqs, parts);
+}
+
+/* The same over a bf16 model's rows (the file's comment): strides in elements. */
+int baton_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                                 int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                                 const int64_t *seq_bounds, int64_t num_seqs, int64_t max_len,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t window, float scale, uint16_t *out, int64_t out_stride,
+                                 int64_t parts)
+{
+    const struct call c = {q, k, v, q_stride, k_stride, v_stride, out_stride, seq_bounds,
+                           num_heads, num_kv_heads, head_dim, max_len, window, scale, out, 1};
+    return run(&c, num_seqs, parts);
 }
 
 /* Lanes of the vector registers this build has (vec16.h's VN). The 16 x 16 register tiles

@@ -445,42 +445,72 @@ GROUP_FN(group_q8_0_wide, QT_Q8_0, 1)
 typedef void (*group_fn)(const uint8_t *, int64_t, const void *, int, int, float *, int64_t,
                          const float *, const uint8_t *);
 
-/* y[m, n] (contiguous) = x[m, k] (rows ldx floats apart) . dequant(w)^T + bias (or NULL), w the
- * tiles of n rows, x in one byte a value or two (wide). 0; -1 for an unknown type or k not a
- * multiple of 32; -2 if the quantized x cannot be allocated. */
-static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows,
-                        const uint8_t *w, int64_t qtype, int64_t n, int64_t k, const float *x,
-                        int64_t m, int64_t ldx, const float *bias, float *y, int64_t parts)
+/* bf16 <-> fp32 as torch converts (a bf16 model's rows, io16): widening is exact; narrowing
+ * rounds to nearest, ties to even, and a NaN stays a (quiet) NaN. */
+static inline float widen_bf16(uint16_t b)
+{
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y[m, n] (contiguous) = x[m, k] (rows ldx apart) . dequant(w)^T + bias (or NULL), w the tiles
+ * of n rows, x in one byte a value or two (wide); x and y fp32, or bf16 both where `io16` (a bf16
+ * model's rows: the bits of widening x, the fp32 call and rounding y as torch does, in the
+ * call's own threads). 0; -1 for an unknown type or k not a multiple of 32; -2 if the quantized
+ * x (or io16's fp32 rows) cannot be allocated. */
+static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows, const int io16,
+                        const uint8_t *w, int64_t qtype, int64_t n, int64_t k, const void *x,
+                        int64_t m, int64_t ldx, const float *bias, void *y, int64_t parts)
 {
     const int64_t bb = block_bytes(qtype), nb = row_blocks(qtype, k);
     if (nb == 0) return -1;
     if (m == 0 || n == 0) return 0;
 #ifdef HAVE_AMX_BF16
     if (m >= bf16_rows && amx_permitted())
-        return amx_bf16_tiles_linear(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
+        return amx_bf16_tiles_linear(io16, w, qtype, n, k, x, m, ldx, bias, y, parts);
 #else
     (void)bf16_rows;
 #endif
 #ifdef HAVE_AMX_INT8
     /* the int8 kernel gains nothing there: its float work per block, not its dots, sets its pace */
-    if (wide && amx && m >= AMX_MIN_ROWS && amx_permitted())
+    if (wide && amx && !io16 && m >= AMX_MIN_ROWS && amx_permitted())
         return amx_tiles_linear_wide(w, qtype, n, k, x, m, ldx, bias, y, parts);
 #endif
     const group_fn fn = qtype == QT_Q4_0   ? (wide ? group_q4_0_wide : group_q4_0)
                         : qtype == QT_Q4_1 ? (wide ? group_q4_1_wide : group_q4_1)
                                            : (wide ? group_q8_0_wide : group_q8_0);
     const int64_t xsize = wide ? (int64_t)sizeof(xblock2) : (int64_t)sizeof(xblock);
-    char *xp = malloc((size_t)(m * nb * xsize));
+    /* io16: each row widened into fp32 (k floats) before its quantize, y computed into fp32
+     * rows and rounded once every group is done */
+    const int64_t xq_bytes = (m * nb * xsize + 63) / 64 * 64, f32s = io16 ? m * (k + n) : 0;
+    char *xp = malloc((size_t)xq_bytes + (size_t)f32s * sizeof(float));
     if (xp == NULL) return -2;
+    float *xf = (float *)(xp + xq_bytes), *yf = io16 ? xf + m * k : (float *)y;
     const int64_t groups = (n + TR - 1) / TR, group_bytes = TR * nb * bb;
 #pragma omp parallel num_threads(parts) if (parts > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
+            const float *xr = (const float *)x + r * ldx;
+            if (io16) {
+                const uint16_t *xs = (const uint16_t *)x + r * ldx;
+                for (int64_t j = 0; j < k; j++) xf[r * k + j] = widen_bf16(xs[j]);
+                xr = xf + r * k;
+            }
             if (wide)
-                quant_row_wide(x + r * ldx, nb, qtype, (xblock2 *)(xp + r * nb * xsize));
+                quant_row_wide(xr, nb, qtype, (xblock2 *)(xp + r * nb * xsize));
             else
-                quant_row(x + r * ldx, nb, qtype, (xblock *)(xp + r * nb * xsize));
+                quant_row(xr, nb, qtype, (xblock *)(xp + r * nb * xsize));
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
@@ -490,9 +520,15 @@ static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows,
                 const int mr = (int)(m - m0 < MR ? m - m0 : MR);
                 const uint8_t *next =
                     m0 == 0 && g + 1 < groups ? w + (g + 1) * group_bytes : NULL;
-                fn(w + g * group_bytes, nb, xp + m0 * nb * xsize, mr, nvalid, y + m0 * n + n0, n,
-                   bias ? bias + n0 : NULL, next);
+                fn(w + g * group_bytes, nb, xp + m0 * nb * xsize, mr, nvalid, yf + m0 * n + n0,
+                   n, bias ? bias + n0 : NULL, next);
             }
+        }
+        if (io16) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = 0; j < n; j++)
+                    ((uint16_t *)y)[r * n + j] = round_bf16(yf[r * n + j]);
         }
     }
     free(xp);
@@ -506,7 +542,7 @@ int baton_quant_tiles_linear(const uint8_t *w, int64_t qtype, int64_t n, int64_t
                              const float *x, int64_t m, int64_t ldx, const float *bias, float *y,
                              int64_t parts)
 {
-    return tiles_linear(0, 0, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(0, 0, NEVER, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* x in two bytes a value (xblock2): within 1/256 of the int8 kernel's rounding, at about twice
@@ -516,7 +552,7 @@ int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, in
                                   const float *x, int64_t m, int64_t ldx, const float *bias,
                                   float *y, int64_t parts)
 {
-    return tiles_linear(1, 1, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(1, 1, NEVER, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* The bf16 tiles' entries below, x and y fp32 or (io16) bf16: -3 where the build or the CPU has
@@ -552,9 +588,9 @@ int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n
                                       float *y, int64_t parts)
 {
 #ifdef HAVE_AMX_BF16
-    return tiles_linear(0, 0, BF16_MIN_ROWS, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(0, 0, BF16_MIN_ROWS, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 #else
-    return tiles_linear(0, 0, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(0, 0, NEVER, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 #endif
 }
 
@@ -569,12 +605,35 @@ int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n,
     return bf16_tiles(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
+/* The decode step's kernels for a bf16 model's rows: x [m, k] (rows ldx apart) and y [m, n]
+ * bf16, bias fp32 (or NULL); the bits of widening x, the fp32 entry and rounding y as torch
+ * does (the bf16 tiles: but for a denormal y, flushed to zero), with the conversions in the
+ * call's threads (shared/runtime/decode_program.py). baton_quant_tiles_linear's: */
+int baton_quant_tiles_linear_io16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
+                                  uint16_t *y, int64_t parts)
+{
+    return tiles_linear(0, 0, NEVER, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+}
+
+/* and baton_quant_tiles_linear_amx_bf16's. */
+int baton_quant_tiles_linear_amx_bf16_io16(const uint8_t *w, int64_t qtype, int64_t n,
+                                           int64_t k, const uint16_t *x, int64_t m, int64_t ldx,
+                                           const float *bias, uint16_t *y, int64_t parts)
+{
+#ifdef HAVE_AMX_BF16
+    return tiles_linear(0, 0, BF16_MIN_ROWS, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+#else
+    return tiles_linear(0, 0, NEVER, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+#endif
+}
+
 /* baton_quant_tiles_linear_wide on vpdpbusd whatever the CPU (what AMX's is checked against). */
 int baton_quant_tiles_linear_wide_vnni(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                                        const float *x, int64_t m, int64_t ldx, const float *bias,
                                        float *y, int64_t parts)
 {
-    return tiles_linear(1, 0, NEVER, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(1, 0, NEVER, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 #else
 #define TILE_PATH "none"
@@ -624,6 +683,20 @@ int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n,
     (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
     (void)parts;
     return -3;
+}
+
+int baton_quant_tiles_linear_io16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
+                                  uint16_t *y, int64_t parts)
+{
+    return baton_quant_tiles_linear_bf16_io(w, qtype, n, k, x, m, ldx, bias, y, parts); /* -3 */
+}
+
+int baton_quant_tiles_linear_amx_bf16_io16(const uint8_t *w, int64_t qtype, int64_t n,
+                                           int64_t k, const uint16_t *x, int64_t m, int64_t ldx,
+                                           const float *bias, uint16_t *y, int64_t parts)
+{
+    return baton_quant_tiles_linear_bf16_io(w, qtype, n, k, x, m, ldx, bias, y, parts); /* -3 */
 }
 #endif
 

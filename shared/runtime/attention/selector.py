@@ -36,8 +36,8 @@ def select_backend(
     """Triton kernels on CUDA when the ``kernels`` package provides them, else torch; on CPU,
     decode goes through a C kernel (over an fp32 or bf16 float cache; in fp32 also over an int8
     one and its full-precision window ``fp_window``) unless ``cpu_attention`` is ``"torch"`` (or
-    the kernel cannot be built), and in fp32 so does a fresh prompt's prefill where ``head_dim``
-    is given and the prefill kernel takes it (a multiple of 16, up to 256).
+    the kernel cannot be built), and so does a fresh prompt's prefill (fp32 or bf16) where
+    ``head_dim`` is given and the prefill kernel takes it (a multiple of 16, up to 256).
 
     An int8 cache on CUDA decodes through the Triton kernel's int8 specialisation, reading the
     packed rows of kv_codec.py and the full-precision window in place; its prefill is torch's
@@ -70,7 +70,8 @@ def select_backend(
             kernel = load_kernel()
         elif codec.quantized and dtype == torch.float32:
             int8_kernel = load_int8_kernel()
-        if dtype == torch.float32 and head_dim is not None and PrefillKernel.supports(head_dim):
+        fresh_dtype = dtype in (torch.float32, torch.bfloat16)
+        if fresh_dtype and head_dim is not None and PrefillKernel.supports(head_dim):
             prefill_kernel = load_prefill_kernel()  # fresh prompts: their own K/V, any cache
             if prefill_kernel is not None and not prefill_kernel.serves:
                 prefill_kernel = None  # SDPA is faster on this build (PrefillKernel.serves)
