@@ -288,9 +288,12 @@ class QuantKernels:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         m = x.shape[0]
-        out = torch.empty(m, n)  # the short form: half the call's cost of the dtype= one
-        if out.dtype is not torch.float32:  # a process that changed torch's default dtype
-            out = torch.empty((m, n), dtype=torch.float32)
+        if x.dtype is torch.bfloat16:  # an io16 entry's rows (io16_twin)
+            out = torch.empty((m, n), dtype=torch.bfloat16)
+        else:
+            out = torch.empty(m, n)  # the short form: half the call's cost of the dtype= one
+            if out.dtype is not torch.float32:  # a process that changed torch's default dtype
+                out = torch.empty((m, n), dtype=torch.float32)
         rc = fn(raw, qtype, n, k, x.data_ptr(), m, x.stride(0),
                 None if bias is None else bias.data_ptr(), out.data_ptr(),
                 linear_parts(m, n, k))  # fmt: skip
@@ -574,13 +577,18 @@ class QuantWeight:
         if bf16 and x.shape[0] > self.small_max_rows and bf16_gemm():
             y = self.linear_dequantized_bf16(x.to(torch.bfloat16), bias)
             return y if dtype is torch.bfloat16 else y.float()
+        b = None if bias is None else bias.to(torch.float32).contiguous()
+        kernels = self.kernels
+        m = x.shape[0]
+        small = None if kernels is None or m > self.small_max_rows else self._small_kernel(kernels)
+        if small is not None and kernels is not None and dtype is torch.bfloat16 and m:
+            io16 = kernels.io16_twin(small)  # bf16 rows as they are: the same bits
+            if io16 is not None and x.stride(1) == 1:
+                return kernels._run(io16, self._raw_ptr, self._qtype, self.out_features,
+                                    self.in_features, x, b)  # fmt: skip
         xf = x.float() if dtype != torch.float32 else x
         if xf.stride(1) != 1:
             xf = xf.contiguous()
-        b = None if bias is None else bias.to(torch.float32).contiguous()
-        kernels = self.kernels
-        m = xf.shape[0]
-        small = None if kernels is None or m > self.small_max_rows else self._small_kernel(kernels)
         if kernels is None:
             y = F.linear(xf, dequantize(self.raw, self.qtype, self.in_features), b)
         elif m == 0:

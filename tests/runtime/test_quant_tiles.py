@@ -170,8 +170,9 @@ def test_a_tiled_weight_serves_every_method(kernels: QuantKernels) -> None:
     bias = torch.randn(50, generator=g)
     assert torch.equal(weight.linear(x, bias), kernels.linear_tiles(weight.raw, QuantType.Q4_1,
                                                                     50, 96, x, bias))  # fmt: skip
-    bf16 = weight.linear(x.bfloat16())
-    assert bf16.dtype == torch.bfloat16
+    xb = torch.randn(6, 2 * 96, generator=g).bfloat16()[:, :96]  # bf16 rows 2k apart
+    want = kernels.linear_tiles(weight.raw, QuantType.Q4_1, 50, 96, xb.float(), bias).bfloat16()
+    assert torch.equal(weight.linear(xb, bias), want)  # the io16 entry: the fp32 call's bits
     many = torch.randn(cpu_quant_linear.INT8_MAX_ROWS + 1, 96, generator=g)
     assert torch.equal(weight.linear(many, bias), F.linear(many, w, bias))  # dequantize + SGEMM
     weight.small_mode = "f32"  # no fp32 kernel over tiles: dequantize + SGEMM, exact
