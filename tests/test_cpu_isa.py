@@ -22,10 +22,16 @@ from shared.runtime.loader import resolve_dtype
 from tests.runtime.helpers import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-# Each C kernel's test (one file per op): test_cpu_<op>.py, the quantized linears, the int8 KV.
+# Each C kernel's test (one file per op): test_cpu_<op>.py, the quantized linears (rows and
+# tiles), the int8 KV.
 KERNEL_TESTS = sorted(
     str(p.relative_to(ROOT))
-    for pattern in ("test_cpu_*.py", "test_quant_linear.py", "test_kv_int8.py")
+    for pattern in (
+        "test_cpu_*.py",
+        "test_quant_linear.py",
+        "test_quant_tiles.py",
+        "test_kv_int8.py",
+    )
     for p in (ROOT / "tests" / "runtime").glob(pattern)
 )
 

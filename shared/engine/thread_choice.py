@@ -25,11 +25,11 @@ and an option whose newest measurement is older is tried at the next step.
 
 A step's time also depends on the step before it. The first step after the thread count changes
 is slow (on a Zen 5, a step on every core right after steps on one: 23-46 ms against 10-16 ms in
-a run of them), so a lone try of the option not chosen, every ``EXPLORE_EVERY`` steps, measured
-the switch and kept decode on one core for whole passes where every core was a third faster
-(docs/perf-log.md, "Decode's thread choice: tries in runs"). So an option is tried for
-``TRY_RUN`` steps in a row, and a step whose thread count differs from the step's before is not
-counted (:meth:`shared.engine.cpu_share.CpuShareManager.run_step`).
+a run of them), so a lone try of the option not chosen, every 16 steps, measured the switch, not
+the option, and kept decode on one core for whole passes (docs/perf-log.md, "Decode's thread
+choice: tries in runs"). So an option is tried for ``TRY_RUN`` steps in a row, and a step whose
+thread count differs from the step's before is not counted
+(:meth:`shared.engine.cpu_share.CpuShareManager.run_step`).
 """
 
 from __future__ import annotations
