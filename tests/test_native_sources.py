@@ -43,9 +43,11 @@ def test_a_shared_header_is_part_of_each_librarys_key(tmp_path: object) -> None:
     from kernels.cpu.quant_linear import SOURCE, TILES_SOURCE
 
     header = (SOURCE.parent / "ggml_blocks.h").read_text()
+    bf16 = (SOURCE.parent / "bf16.h").read_text()
     amx = [
         (SOURCE.parent / h).read_text()
         for h in ("amx.h", "quant_tiles_amx.h", "quant_tiles_bf16.h")
     ]
     assert source_texts(SOURCE)[1:] == [header]
-    assert source_texts(TILES_SOURCE)[1:] == [header, *amx]  # and the tiles' AMX paths
+    # and the bf16 rows' conversions, the tiles' AMX paths
+    assert source_texts(TILES_SOURCE)[1:] == [bf16, header, *amx]

@@ -39,17 +39,22 @@ def _qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed
     )
 
 
-def reference(q, k, v, ranges, scale):  # type: ignore[no-untyped-def]
-    """Causal softmax attention in fp64, one range at a time (repeat_kv order)."""
+def _scores(q, k, v, first, end, scale, dtype):  # type: ignore[no-untyped-def]
+    """One range's causal scores per query head (repeat_kv order) in ``dtype``, and its values."""
     group = q.shape[1] // k.shape[1]
+    qs = q[first:end].to(dtype).transpose(0, 1)
+    ks = k[first:end].to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+    vs = v[first:end].to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+    n = end - first
+    scores = qs @ ks.transpose(1, 2) * scale
+    return scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), vs
+
+
+def reference(q, k, v, ranges, scale):  # type: ignore[no-untyped-def]
+    """Causal softmax attention in fp64, one range at a time."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for first, end in ranges:
-        qs = q[first:end].double().transpose(0, 1)
-        ks = k[first:end].double().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[first:end].double().repeat_interleave(group, 1).transpose(0, 1)
-        n = end - first
-        scores = qs @ ks.transpose(1, 2) * scale
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        scores, vs = _scores(q, k, v, first, end, scale, torch.float64)
         out[first:end] = (scores.softmax(-1) @ vs).transpose(0, 1)
     return out
 
@@ -99,16 +104,9 @@ def test_agrees_with_sdpa_as_the_model_uses_it(kernel: PrefillKernel) -> None:
 def _bf16_emulation(q, k, v, ranges, scale):  # type: ignore[no-untyped-def]
     """What the kernel computes over bf16 rows, in torch: fp32 scores and softmax, the
     probabilities rounded to bf16 after their sum is taken, fp32 P V, the output rounded."""
-    group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.bfloat16)
     for first, end in ranges:
-        qs = q[first:end].float().transpose(0, 1)
-        ks = k[first:end].float().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[first:end].float().repeat_interleave(group, 1).transpose(0, 1)
-        n = end - first
-        s = (qs @ ks.transpose(1, 2) * scale).masked_fill(
-            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")
-        )
+        s, vs = _scores(q, k, v, first, end, scale, torch.float32)
         p = torch.exp(s - s.amax(-1, keepdim=True))
         o = (p.bfloat16().float() @ vs) * (1 / p.sum(-1, keepdim=True))
         out[first:end] = o.transpose(0, 1).bfloat16()

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define STEP_ARG (INT64_C(1) << 62)
 #define MAX_ARGS 18
 
@@ -68,24 +70,6 @@ static inline int64_t arg(const struct op *o, int i, const int64_t *step)
 {
     const int64_t v = o->a[i];
     return v & STEP_ARG ? step[v & ~STEP_ARG] : v;
-}
-
-/* bf16 <-> fp32 as torch converts: widening is exact; narrowing rounds to nearest, ties to
- * even, and a NaN stays a (quiet) NaN. */
-static inline float bf16_to_f32(uint16_t b)
-{
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* Rows of K and V into their slots; -1 (nothing stored) where a slot is outside the pools. Rows

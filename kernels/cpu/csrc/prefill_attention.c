@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec16.h"
 
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -97,19 +98,7 @@ struct call {
 
 static inline float widen(const void *p, int64_t i, int bf16)
 {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t round_bf16(float f) /* as torch: to nearest, ties to even; NaN quiet */
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* Sixteen query rows r0.. r0 + nr - 1 (nr <= 16) of query head hq, as register-blocked tiles:
@@ -247,7 +236,7 @@ static void attend(const struct call *c, int64_t seq, int64_t h, float *kt, floa
         if (bf16) {
             uint16_t *ob = (uint16_t *)c->out + start * c->out_stride + hq * D;
             for (int64_t r = 0; r < n; r++)
-                for (int64_t d = 0; d < D; d++) ob[r * c->out_stride + d] = round_bf16(qo[r * D + d]);
+                for (int64_t d = 0; d < D; d++) ob[r * c->out_stride + d] = f32_to_bf16(qo[r * D + d]);
         }
     }
 }

@@ -50,6 +50,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "ggml_blocks.h"
 #define TR 16 /* weight rows per tile */
 
@@ -445,24 +446,6 @@ GROUP_FN(group_q8_0_wide, QT_Q8_0, 1)
 typedef void (*group_fn)(const uint8_t *, int64_t, const void *, int, int, float *, int64_t,
                          const float *, const uint8_t *);
 
-/* bf16 <-> fp32 as torch converts (a bf16 model's rows, io16): widening is exact; narrowing
- * rounds to nearest, ties to even, and a NaN stays a (quiet) NaN. */
-static inline float widen_bf16(uint16_t b)
-{
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t round_bf16(float f)
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* y[m, n] (contiguous) = x[m, k] (rows ldx apart) . dequant(w)^T + bias (or NULL), w the tiles
  * of n rows, x in one byte a value or two (wide); x and y fp32, or bf16 both where `io16` (a bf16
  * model's rows: the bits of widening x, the fp32 call and rounding y as torch does, in the
@@ -504,7 +487,7 @@ static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows, 
             const float *xr = (const float *)x + r * ldx;
             if (io16) {
                 const uint16_t *xs = (const uint16_t *)x + r * ldx;
-                for (int64_t j = 0; j < k; j++) xf[r * k + j] = widen_bf16(xs[j]);
+                for (int64_t j = 0; j < k; j++) xf[r * k + j] = bf16_to_f32(xs[j]);
                 xr = xf + r * k;
             }
             if (wide)
@@ -528,7 +511,7 @@ static int tiles_linear(const int wide, const int amx, const int64_t bf16_rows, 
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++)
                 for (int64_t j = 0; j < n; j++)
-                    ((uint16_t *)y)[r * n + j] = round_bf16(yf[r * n + j]);
+                    ((uint16_t *)y)[r * n + j] = f32_to_bf16(yf[r * n + j]);
         }
     }
     free(xp);
