@@ -178,8 +178,6 @@ class QuantKernels:
         # count (-3 without AMX), and small_mode "bf16"'s kernel: those tiles from bf16_rows rows
         self._tiles_linear_bf16 = lib.baton_quant_tiles_linear_bf16
         self._tiles_linear_amx_bf16 = lib.baton_quant_tiles_linear_amx_bf16
-        # the bf16 tiles with x and y bf16 at every row count (-3 without AMX)
-        self._tiles_linear_bf16_io = lib.baton_quant_tiles_linear_bf16_io
         # the int8 kernel and small_mode "bf16"'s, x and y bf16: a bf16 model's decode program
         self._tiles_linear_io16 = lib.baton_quant_tiles_linear_io16
         self._tiles_linear_amx_bf16_io16 = lib.baton_quant_tiles_linear_amx_bf16_io16
@@ -189,7 +187,6 @@ class QuantKernels:
             self._tiles_linear_wide_vnni,
             self._tiles_linear_bf16,
             self._tiles_linear_amx_bf16,
-            self._tiles_linear_bf16_io,
             self._tiles_linear_io16,
             self._tiles_linear_amx_bf16_io16,
         ):

@@ -24,8 +24,7 @@ measurements within a horizon (``HORIZON_S``, or ``HORIZON_STEPS`` steps where s
 and an option whose newest measurement is older is tried at the next step.
 
 A step's time also depends on the step before it. The first step after the thread count changes
-is slow (on a Zen 5, a step on every core right after steps on one: 23-46 ms against 10-16 ms in
-a run of them), so a lone try of the option not chosen, every 16 steps, measured the switch, not
+is slower whichever the option, so a lone try of the option not chosen measured the switch, not
 the option, and kept decode on one core for whole passes (docs/perf-log.md, "Decode's thread
 choice: tries in runs"). So an option is tried for ``TRY_RUN`` steps in a row, and a step whose
 thread count differs from the step's before is not counted

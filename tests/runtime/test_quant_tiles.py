@@ -194,7 +194,8 @@ def test_bf16_rows_in_and_out_are_the_fp32_call_rounded(
     for fn in (kernels._tiles_linear, kernels._tiles_linear_amx_bf16):
         io16 = kernels.io16_twin(fn)
         assert io16 is not None
-        for m, bias, parts in ((1, None, 1), (16, torch.randn(n, generator=g), 2), (33, None, 2)):
+        given = torch.randn(n, generator=g)
+        for m, bias, parts in ((1, None, 1), (16, given, 2), (33, given, 2), (64, None, 2)):
             x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows 2k apart
             x[0, 5] = float("inf")
             b = None if bias is None else bias.data_ptr()

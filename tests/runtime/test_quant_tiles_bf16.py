@@ -2,7 +2,8 @@
 (kernels/cpu/csrc/quant_tiles_bf16.h): ``F.linear`` over x and the dequantized weight each rounded
 to bf16, up to the fp32 sums' order, whatever the type, shape, bias or x's row stride; the same
 bits whatever the threads or the batch a row sits in; and small_mode "bf16" (the decode engine's
-form on AMX) the int8 kernel below ``bf16_rows`` rows and these tiles from it, bit for bit. Where
+form on AMX) the int8 kernel below ``bf16_rows`` rows and these tiles from it, bit for bit (with
+bf16 rows in and out: tests/runtime/test_quant_tiles.py). Where
 the CPU or the build has no AMX the kernel refuses and the form is the int8 kernel's
 (tests/runtime/test_linear_layout.py)."""
 
@@ -80,26 +81,3 @@ def test_small_mode_bf16_switches_at_bf16_rows(kernels: QuantKernels, qtype: Qua
             else _bf16_linear(kernels, weight.raw, qtype, 200, 576, x, None)
         )
         assert torch.equal(weight.linear(x), want), m
-
-
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_bf16_rows_in_and_out_are_the_fp32_call_rounded(
-    kernels: QuantKernels, qtype: QuantType
-) -> None:
-    """The bf16 model's decode program calls the tiles with bf16 x and y
-    (``baton_quant_tiles_linear_bf16_io``): the bits of widening x, the fp32 call and torch's
-    rounding of its y, whatever the rows, a bias or x's row stride."""
-    g = torch.Generator().manual_seed(int(qtype) + 11)
-    n, k = 100, 576
-    raw = quantize(torch.randn(n, k, generator=g) * 0.05, qtype)
-    tiles = kernels.pack_tiles(raw, qtype, k)
-    for m, bias in ((1, None), (33, torch.randn(n, generator=g)), (64, None)):
-        x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # rows 2k apart
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = kernels._tiles_linear_bf16_io(
-            tiles.data_ptr(), int(qtype), n, k, x.data_ptr(), m, x.stride(0),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), 2,
-        )  # fmt: skip
-        assert rc == 0
-        want = _bf16_linear(kernels, tiles, qtype, n, k, x.float(), bias).bfloat16()
-        assert torch.equal(y, want), (qtype.name, m)

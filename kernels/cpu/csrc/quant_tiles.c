@@ -538,31 +538,31 @@ int baton_quant_tiles_linear_wide(const uint8_t *w, int64_t qtype, int64_t n, in
     return tiles_linear(1, 1, NEVER, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
-/* The bf16 tiles' entries below, x and y fp32 or (io16) bf16: -3 where the build or the CPU has
- * no AMX. */
-static int bf16_tiles(const int io16, const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                      const void *x, int64_t m, int64_t ldx, const float *bias, void *y,
-                      int64_t parts)
+/* In a bf16 model's arithmetic on AMX's bf16 tiles (quant_tiles_bf16.h) at every row count; -3
+ * where the build or the CPU has no AMX. */
+int baton_quant_tiles_linear_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t ldx, const float *bias,
+                                  float *y, int64_t parts)
 {
 #ifdef HAVE_AMX_BF16
     if (amx_permitted()) {
         if (row_blocks(qtype, k) == 0) return -1;
         if (m == 0 || n == 0) return 0;
-        return amx_bf16_tiles_linear(io16, w, qtype, n, k, x, m, ldx, bias, y, parts);
+        return amx_bf16_tiles_linear(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
     }
 #endif
-    (void)io16, (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx;
-    (void)bias, (void)y, (void)parts;
+    (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
+    (void)parts;
     return -3;
 }
 
-/* In a bf16 model's arithmetic on AMX's bf16 tiles (quant_tiles_bf16.h) at every row count. */
-int baton_quant_tiles_linear_bf16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                                  const float *x, int64_t m, int64_t ldx, const float *bias,
-                                  float *y, int64_t parts)
-{
-    return bf16_tiles(0, w, qtype, n, k, x, m, ldx, bias, y, parts);
-}
+/* Rows from which the decode step's kernels below take AMX's bf16 tiles (tiles_linear checks
+ * that the CPU grants them); NEVER where the build has none. */
+#ifdef HAVE_AMX_BF16
+#define AMX_BF16_ROWS BF16_MIN_ROWS
+#else
+#define AMX_BF16_ROWS NEVER
+#endif
 
 /* The decode step's kernel where the CPU has AMX: the int8 kernel below BF16_MIN_ROWS rows, a
  * bf16 model's arithmetic on the bf16 tiles from it (the int8 kernel's alone elsewhere). */
@@ -570,22 +570,7 @@ int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n
                                       const float *x, int64_t m, int64_t ldx, const float *bias,
                                       float *y, int64_t parts)
 {
-#ifdef HAVE_AMX_BF16
-    return tiles_linear(0, 0, BF16_MIN_ROWS, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
-#else
-    return tiles_linear(0, 0, NEVER, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
-#endif
-}
-
-/* baton_quant_tiles_linear_bf16 for a bf16 model's rows: x [m, k] (rows ldx apart) and y [m, n]
- * bf16, bias fp32 (or NULL); the same bits as widening x, the fp32 call and rounding y to
- * nearest even as torch does (but for a denormal y, flushed to zero), without the fp32 copies: a
- * bf16 model's decode step from bf16_rows rows (shared/runtime/decode_program.py). */
-int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                                     const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
-                                     uint16_t *y, int64_t parts)
-{
-    return bf16_tiles(1, w, qtype, n, k, x, m, ldx, bias, y, parts);
+    return tiles_linear(0, 0, AMX_BF16_ROWS, 0, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* The decode step's kernels for a bf16 model's rows: x [m, k] (rows ldx apart) and y [m, n]
@@ -604,11 +589,7 @@ int baton_quant_tiles_linear_amx_bf16_io16(const uint8_t *w, int64_t qtype, int6
                                            int64_t k, const uint16_t *x, int64_t m, int64_t ldx,
                                            const float *bias, uint16_t *y, int64_t parts)
 {
-#ifdef HAVE_AMX_BF16
-    return tiles_linear(0, 0, BF16_MIN_ROWS, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
-#else
-    return tiles_linear(0, 0, NEVER, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
-#endif
+    return tiles_linear(0, 0, AMX_BF16_ROWS, 1, w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
 /* baton_quant_tiles_linear_wide on vpdpbusd whatever the CPU (what AMX's is checked against). */
@@ -659,27 +640,20 @@ int baton_quant_tiles_linear_amx_bf16(const uint8_t *w, int64_t qtype, int64_t n
     return baton_quant_tiles_linear(w, qtype, n, k, x, m, ldx, bias, y, parts);
 }
 
-int baton_quant_tiles_linear_bf16_io(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                                     const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
-                                     uint16_t *y, int64_t parts)
+int baton_quant_tiles_linear_io16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                                  const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
+                                  uint16_t *y, int64_t parts)
 {
     (void)w, (void)qtype, (void)n, (void)k, (void)x, (void)m, (void)ldx, (void)bias, (void)y;
     (void)parts;
     return -3;
 }
 
-int baton_quant_tiles_linear_io16(const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
-                                  const uint16_t *x, int64_t m, int64_t ldx, const float *bias,
-                                  uint16_t *y, int64_t parts)
-{
-    return baton_quant_tiles_linear_bf16_io(w, qtype, n, k, x, m, ldx, bias, y, parts); /* -3 */
-}
-
 int baton_quant_tiles_linear_amx_bf16_io16(const uint8_t *w, int64_t qtype, int64_t n,
                                            int64_t k, const uint16_t *x, int64_t m, int64_t ldx,
                                            const float *bias, uint16_t *y, int64_t parts)
 {
-    return baton_quant_tiles_linear_bf16_io(w, qtype, n, k, x, m, ldx, bias, y, parts); /* -3 */
+    return baton_quant_tiles_linear_io16(w, qtype, n, k, x, m, ldx, bias, y, parts); /* -3 */
 }
 #endif
 
