@@ -306,19 +306,15 @@ class DecodePrograms:
             raise ValueError(f"{m} rows: past the packed weight's decode kernel")
         fn = w._small_kernel(w.kernels)  # the eager call's own choice (int8: tiles or rows; bf16)
         assert fn is not None
-        parts = quant_parts(m, n, k)
         io16 = w.kernels.io16_twin(fn) if self.dtype == torch.bfloat16 else None
-        if io16 is not None:
-            program.add(prog.QUANT_LINEAR, prog.address(io16),
-                        [w._raw_ptr, w._qtype, n, k, x.data_ptr(), m, k, bias, y.data_ptr(),
-                         parts])  # fmt: skip
-            return
+        convert = self.dtype != torch.float32 and io16 is None
         x_at, y_at = x.data_ptr(), y.data_ptr()
-        if self.dtype != torch.float32:
+        if convert:
             # fp32 x [m, k] and y [m, n], contiguous, at the start of the scratch rows
             x_at, y_at = b["x32"].data_ptr(), b["y32"].data_ptr()
             program.add(prog.TO_F32, None, [x.data_ptr(), k, m, k, x_at, k])
-        program.add(prog.QUANT_LINEAR, prog.address(fn),
-                    [w._raw_ptr, w._qtype, n, k, x_at, m, k, bias, y_at, parts])  # fmt: skip
-        if self.dtype != torch.float32:
+        program.add(prog.QUANT_LINEAR, prog.address(io16 or fn),
+                    [w._raw_ptr, w._qtype, n, k, x_at, m, k, bias, y_at,
+                     quant_parts(m, n, k)])  # fmt: skip
+        if convert:
             program.add(prog.TO_BF16, None, [y_at, n, m, n, y.data_ptr(), n])
