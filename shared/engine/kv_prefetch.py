@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kernels.cpu import omp_team
 from shared.kv_transfer.connector import KVLoad
 from shared.wire.messages import KVDescriptor
 
@@ -31,7 +32,8 @@ class KVPrefetch:
     """The loads in flight, by request id."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="kv-prefetch")
+        # Its copies run on the thread itself: the step thread owns the process's one OpenMP team.
+        self._pool = ThreadPoolExecutor(NUM_THREADS, "kv-prefetch", initializer=omp_team.serial)
         self._loads: dict[str, tuple[Future[KVLoad], KVDescriptor]] = {}
         self.num_started = 0  # running totals, for metrics
         self.num_hits = 0  # landed before the step that needed them: no wait

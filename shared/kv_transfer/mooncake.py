@@ -49,6 +49,7 @@ import numpy as np
 import structlog
 import torch
 
+from kernels.cpu import omp_team
 from shared.kv_transfer.connector import KVLoad, PinLedger, block_runs
 from shared.kv_transfer.layerwise import (
     FAILED,
@@ -225,6 +226,7 @@ class MooncakeConnector(PooledConnector):
         release = _release_for(h)
 
         def run() -> None:
+            omp_team.serial()  # the step thread owns the process's one OpenMP team
             t0 = time.perf_counter()
             try:
                 ok = self._pull_layers(h, desc, block_ids, first_block, load)
