@@ -55,18 +55,18 @@ def test_a_plain_helper_thread_leaves_a_team_behind(two_threads: None) -> None:
     """What the module guards against, so the tests below could fail: a thread that runs torch
     at two threads starts a worker that lives as long as the thread."""
     seen: dict[str, set[int]] = {}
-    go_on = threading.Event()
+    counted, go_on = threading.Event(), threading.Event()
 
     def helper() -> None:
         parallel_work()
         seen["during"] = tasks()
+        counted.set()
         go_on.wait()
 
     before = tasks()
     thread = threading.Thread(target=helper)
     thread.start()
-    while "during" not in seen:
-        go_on.wait(0.01)
+    counted.wait()
     extra = seen["during"] - before - {thread.native_id}
     go_on.set()
     thread.join()

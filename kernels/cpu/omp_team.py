@@ -13,7 +13,7 @@ and from then on the decode step of 64 sequences ran at 60 ms where it takes 42 
 So the engine's step thread owns the process's one team. A helper thread that calls torch (or a
 C kernel: they size their regions by torch's count) calls :func:`serial` first, and its ops run on
 the thread itself, opening no region; the model loads (a parallel job, before any step) in
-:func:`in_passing_thread`, whose team ends with it.
+:func:`in_passing_thread`, whose team ends with it (shared/engine/build.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 
-from kernels.cpu import omp_team
 from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService
 from shared.config import BatonConfig
@@ -61,10 +60,5 @@ class DecodeService(EngineService):
 def build(config: BatonConfig, cpu_share: CpuShareManager | None = None) -> DecodeService:
     """``cpu_share``: the thread budget this engine shares with the deployment's others."""
     between_layers = cpu_share.rebalance if cpu_share is not None else None
-    # On a thread that ends: its OpenMP team must not outlive the load (kernels/cpu/omp_team.py).
-    engine = omp_team.in_passing_thread(
-        lambda: build_decode_engine(
-            config, resolve_model_dir(config), between_layers=between_layers
-        )
-    )
+    engine = build_decode_engine(config, resolve_model_dir(config), between_layers=between_layers)
     return DecodeService(config, engine, cpu_share)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kernels.cpu import omp_team
 from services.shell.common import resolve_model_dir
 from services.shell.engine_service import EngineService, Received
 from shared.config import BatonConfig
@@ -80,8 +79,5 @@ class PrefillService(EngineService):
 def build(config: BatonConfig, cpu_share: CpuShareManager | None = None) -> PrefillService:
     """``cpu_share``: the thread budget this engine shares with the deployment's others."""
     between_layers = cpu_share.rebalance if cpu_share is not None else None
-    # On a thread that ends: its OpenMP team must not outlive the load (kernels/cpu/omp_team.py).
-    engine = omp_team.in_passing_thread(
-        lambda: build_prefill_engine(config, resolve_model_dir(config), between_layers)
-    )
+    engine = build_prefill_engine(config, resolve_model_dir(config), between_layers)
     return PrefillService(config, engine, cpu_share)

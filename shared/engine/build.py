@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from kernels.cpu import omp_team
 from shared.config import BatonConfig
 from shared.engine.decode import DecodeEngine
 from shared.engine.prefill import PrefillEngine
@@ -52,13 +53,17 @@ def _connector_and_runner(
     connector = make_connector(config, role=role)
     if kv_host_cache_bytes is None:
         kv_host_cache_bytes = config.kv_host_cache_mb << 20
-    runner = ModelRunner(
-        config,
-        model_dir,
-        allocate_kv_cache=connector.allocate_kv_cache,
-        kv_host_cache_bytes=kv_host_cache_bytes,
-        role=role,
-        between_layers=between_layers,
+    # The model loads on a thread that ends: the OpenMP team its parallel work opens must not
+    # outlive it beside the step thread's (kernels/cpu/omp_team.py).
+    runner = omp_team.in_passing_thread(
+        lambda: ModelRunner(
+            config,
+            model_dir,
+            allocate_kv_cache=connector.allocate_kv_cache,
+            kv_host_cache_bytes=kv_host_cache_bytes,
+            role=role,
+            between_layers=between_layers,
+        )
     )
     return connector, runner
 
